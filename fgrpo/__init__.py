@@ -1,0 +1,11 @@
+"""fgrpo: an experiment runner for F-GRPO (arXiv 2602.06717) and its GRPO / DAPO / CISPO baselines.
+
+The algorithm core is importable without the runner's dependencies:
+
+    from fgrpo.advantages import group_advantages, success_rate, focal_weight, focal_group_advantages
+    from fgrpo.losses import policy_loss, aggregate
+    from fgrpo.metrics import pass_at_k, pass_at_k_curve
+    from fgrpo.theory import miss_probability, simulate_miss_probability
+"""
+
+__version__ = "0.1.0"
