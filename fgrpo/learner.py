@@ -1,0 +1,169 @@
+"""The PyTorch learner: token log-probs of sampled completions, and one policy update per batch.
+
+A batch is a list of :class:`Sequence` (prompt tokens, completion tokens, one advantage). Sequences
+are right-padded per micro-batch; the LM head runs only on completion positions, so no
+``[B, L, vocab]`` logits tensor is built for prompt tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fgrpo.losses import policy_loss
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    advantage: float = 0.0
+    old_logp: torch.Tensor | None = None  # [len(completion_ids)], set when mini_batches > 1
+
+
+def _pad_micro_batch(seqs: list[Sequence], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``input_ids [B, L]``, ``attention_mask [B, L]``, ``completion_mask [B, L-1]`` (1 where token t+1 is a completion token)."""
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
+    width = max(lengths)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    completion_mask = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
+    for row, seq in enumerate(seqs):
+        tokens = seq.prompt_ids + seq.completion_ids
+        input_ids[row, : len(tokens)] = torch.tensor(tokens)
+        attention_mask[row, : len(tokens)] = 1
+        completion_mask[row, len(seq.prompt_ids) - 1 : len(tokens) - 1] = True
+    return input_ids.to(device), attention_mask.to(device), completion_mask.to(device)
+
+
+def completion_logprobs(
+    model, seqs: list[Sequence], *, pad_id: int, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Log-probs of each completion token under ``model`` (with grad if enabled).
+
+    Returns ``(logp [B, T], mask [B, T], entropy [B, T] or None)`` with T the longest completion.
+    Logits are divided by the sampling temperature, so the log-probs are those of the distribution
+    the sampler drew from (as verl does).
+    """
+    device = next(model.parameters()).device
+    input_ids, attention_mask, completion_mask = _pad_micro_batch(seqs, pad_id, device)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    # only completion positions go through the LM head: [N, hidden] -> [N, vocab]
+    selected_hidden = hidden[:, :-1][completion_mask]
+    logits = model.get_output_embeddings()(selected_hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, 1:][completion_mask]
+    log_norm = torch.logsumexp(logits, dim=-1)
+    flat_logp = logits.gather(-1, targets[:, None]).squeeze(-1) - log_norm
+
+    lengths = [len(s.completion_ids) for s in seqs]
+    width = max(lengths)
+    mask = torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+    logp = torch.zeros(mask.shape, dtype=flat_logp.dtype, device=device)
+    logp = logp.masked_scatter(mask, flat_logp)
+    entropy = None
+    if with_entropy:
+        probs = torch.softmax(logits, dim=-1)
+        flat_entropy = log_norm - (probs * logits).sum(-1)
+        entropy = torch.zeros(mask.shape, dtype=flat_entropy.dtype, device=device).masked_scatter(mask, flat_entropy)
+    return logp, mask, entropy
+
+
+def _micro_batches(seqs: list[Sequence], size: int) -> list[list[Sequence]]:
+    # sort by length so each micro-batch pads to a similar width
+    ordered = sorted(seqs, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+
+@torch.no_grad()
+def fill_old_logprobs(model, seqs: list[Sequence], *, pad_id: int, temperature: float, micro_batch_size: int) -> None:
+    """Record each sequence's log-probs under the current (sampling) policy, for off-policy mini-batches."""
+    was_training = model.training
+    model.eval()
+    for micro in _micro_batches(seqs, micro_batch_size):
+        logp, mask, _ = completion_logprobs(model, micro, pad_id=pad_id, temperature=temperature)
+        for row, seq in enumerate(micro):
+            seq.old_logp = logp[row, : len(seq.completion_ids)].detach().clone()
+    model.train(was_training)
+
+
+def update_policy(
+    model,
+    optimizer: torch.optim.Optimizer,
+    seqs: list[Sequence],
+    *,
+    algo_cfg,
+    pad_id: int,
+    temperature: float,
+    micro_batch_size: int,
+    grad_clip: float,
+    max_new_tokens: int,
+    ref_model=None,
+) -> dict[str, float]:
+    """One optimizer step on ``seqs`` with gradient accumulation over micro-batches.
+
+    The loss is aggregated with the whole step's token / sequence counts, so the accumulated gradient
+    equals the full-batch gradient. ``old_logp`` comes from each sequence when set (mini_batches > 1);
+    otherwise the batch is on-policy and old = current log-probs, detached (ratio exactly 1).
+    ``ref_model`` (frozen) is needed only for the optional KL penalty, ``algo.kl_coef > 0``.
+    """
+    num_tokens = float(sum(len(s.completion_ids) for s in seqs))
+    num_seqs = float(len(seqs))
+    want_entropy = True
+    optimizer.zero_grad(set_to_none=True)
+    totals: dict[str, float] = {}
+    ratio_max = 0.0
+    loss_total = 0.0
+    for micro in _micro_batches(seqs, micro_batch_size):
+        logp, mask, entropy = completion_logprobs(
+            model, micro, pad_id=pad_id, temperature=temperature, with_entropy=want_entropy
+        )
+        if all(s.old_logp is not None for s in micro):
+            old_logp = torch.zeros_like(logp)
+            for row, seq in enumerate(micro):
+                old_logp[row, : len(seq.completion_ids)] = seq.old_logp
+        else:
+            old_logp = logp.detach()
+        advantages = torch.tensor([s.advantage for s in micro], dtype=logp.dtype, device=logp.device)
+        ref_logp = None
+        if algo_cfg.kl_coef > 0:
+            with torch.no_grad():
+                ref_logp, _, _ = completion_logprobs(ref_model, micro, pad_id=pad_id, temperature=temperature)
+        loss, metrics = policy_loss(
+            algo_cfg.name,
+            logp,
+            old_logp,
+            advantages,
+            mask,
+            clip_low=algo_cfg.clip_low,
+            clip_high=algo_cfg.clip_high,
+            agg=algo_cfg.loss_agg,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            norm_constant=float(max_new_tokens),
+            ref_logp=ref_logp,
+            kl_coef=algo_cfg.kl_coef,
+            entropy=entropy if algo_cfg.entropy_coef > 0 else None,
+            entropy_coef=algo_cfg.entropy_coef,
+        )
+        loss.backward()
+        loss_total += loss.item()
+        micro_tokens = float(mask.sum())
+        for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "kl_ref"):
+            if key not in metrics:
+                continue
+            totals[key] = totals.get(key, 0.0) + metrics[key] * micro_tokens
+        ratio_max = max(ratio_max, metrics["ratio_max"])
+        if entropy is not None:
+            totals["entropy"] = totals.get("entropy", 0.0) + float((entropy.detach() * mask).sum())
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise FloatingPointError("the gradient norm is not finite; lower trainer.lr or check the rewards")
+    optimizer.step()
+    out = {key: value / max(num_tokens, 1.0) for key, value in totals.items()}
+    out.update(loss=loss_total, grad_norm=grad_norm, ratio_max=ratio_max)
+    return out

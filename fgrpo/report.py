@@ -1,0 +1,227 @@
+"""Sweep report: the paper-style table (rows algo x gamma, final pass@1 and pass@k, mean +- std over seeds).
+
+    python -m fgrpo.report outputs/multirun/2026-11-22/10-00-00 [--out DIR]
+
+Reads only what the runs wrote (``.hydra/config.yaml`` and ``metrics.jsonl`` in each run directory),
+so a sweep copied back from a cluster reports the same. Writes ``report.md`` and ``report.png``
+(pass@k curves, one panel per algorithm, one line per gamma) next to the sweep, or into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fgrpo.tracking import read_metrics
+
+# keys that identify a table cell or may differ between runs of one sweep
+CELL_KEYS = ("algo.name", "focal.gamma")
+FREE_KEYS = ("seed", "run_name", "logger.group", "logger.tags", "logger.mode", "trainer.save_final")
+
+
+class ReportError(ValueError):
+    """The sweep directory cannot be reported on; the message says why and what to pass."""
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    evals: list[dict] = field(default_factory=list)  # rows of metrics.jsonl with eval/pass@1
+    status: str = "completed"  # completed | failed
+    log_path: Path | None = None
+
+    @property
+    def algo(self) -> str:
+        return self.config["algo.name"]
+
+    @property
+    def gamma(self) -> float:
+        return float(self.config["focal.gamma"])
+
+    @property
+    def final(self) -> dict:
+        return self.evals[-1] if self.evals else {}
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _job_log(run_dir: Path, sweep_dir: Path) -> Path | None:
+    """The most useful log of a run: Hydra's job log, else submitit's stderr for that job."""
+    for candidate in sorted(run_dir.glob("*.log")):
+        return candidate
+    submitit = sorted(sweep_dir.glob(".submitit/*/*_log.err"))
+    return submitit[-1] if submitit else None
+
+
+def find_runs(sweep_dir: Path) -> list[Run]:
+    import yaml
+
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise ReportError(f"{sweep_dir} is not a directory: pass a sweep directory such as outputs/multirun/<date>/<time>")
+    runs = []
+    for config_file in sorted(sweep_dir.rglob(".hydra/config.yaml")):
+        run_dir = config_file.parent.parent
+        config = _flatten(yaml.safe_load(config_file.read_text()) or {})
+        if "algo.name" not in config or "focal.gamma" not in config:
+            continue
+        metrics_file = run_dir / "metrics.jsonl"
+        rows = read_metrics(metrics_file) if metrics_file.exists() else []
+        evals = [row for row in rows if "eval/pass@1" in row]
+        finished = bool(evals) and evals[-1].get("step") == config.get("trainer.steps")
+        runs.append(Run(run_dir, config, evals, "completed" if finished else "failed", _job_log(run_dir, sweep_dir)))
+    if not runs:
+        raise ReportError(
+            f"no runs found under {sweep_dir}: a run directory holds .hydra/config.yaml and metrics.jsonl "
+            "(pass the sweep directory that `python run.py -m ...` printed)"
+        )
+    return runs
+
+
+def check_same_config(runs: list[Run]) -> None:
+    """Runs of one table must differ only in algo, gamma and seed (and what the algo option sets)."""
+    completed = [r for r in runs if r.status == "completed"]
+    differing = {}
+    keys = set().union(*(r.config for r in completed)) if completed else set()
+    for key in sorted(keys):
+        if key in FREE_KEYS or key.startswith(("algo.", "focal.")):
+            continue
+        values = {repr(r.config.get(key)) for r in completed}
+        if len(values) > 1:
+            differing[key] = sorted(values)
+    if differing:
+        lines = [f"  {key}: {', '.join(values)}" for key, values in differing.items()]
+        raise ReportError(
+            "the runs under this directory mix different configurations, so one algo x gamma table would "
+            "compare unlike things:\n" + "\n".join(lines) + "\nreport on each configuration's sweep directory separately"
+        )
+
+
+def _largest_k(runs: list[Run]) -> int:
+    ks = [int(key.split("@")[1]) for r in runs for key in r.final if key.startswith("eval/pass@") and key.split("@")[1].isdigit()]
+    return max(ks)
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def build_table(runs: list[Run]) -> tuple[list[str], list[list[str]], int]:
+    """Header, rows (strings) and the largest k. The best mean per column is marked with '*'."""
+    completed = [r for r in runs if r.status == "completed"]
+    if not completed:
+        raise ReportError("every run of this sweep failed; see the log paths above")
+    k = _largest_k(completed)
+    cells: dict[tuple[str, float], list[Run]] = defaultdict(list)
+    for run in completed:
+        cells[(run.algo, run.gamma)].append(run)
+    columns = ["eval/pass@1", f"eval/pass@{k}"]
+    stats = {
+        cell: [_mean_std([r.final[c] for r in cell_runs if c in r.final]) for c in columns]
+        for cell, cell_runs in cells.items()
+    }
+    best = [max(stats[cell][i][0] for cell in stats) for i in range(len(columns))]
+    header = ["algo", "gamma", "seeds", "pass@1", f"pass@{k}"]
+    rows = []
+    for algo, gamma in sorted(cells, key=lambda c: (c[0], c[1])):
+        row = [algo, f"{gamma:g}", str(len(cells[(algo, gamma)]))]
+        for i, (mean, std) in enumerate(stats[(algo, gamma)]):
+            mark = "*" if math.isclose(mean, best[i]) else " "
+            row.append(f"{100 * mean:5.1f} +- {100 * std:4.1f}{mark}")
+        rows.append(row)
+    return header, rows, k
+
+
+def format_markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.strip() for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def format_text(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
+
+
+def plot_curves(runs: list[Run], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    completed = [r for r in runs if r.status == "completed"]
+    algos = sorted({r.algo for r in completed})
+    fig, axes = plt.subplots(1, len(algos), figsize=(4.5 * len(algos), 3.8), squeeze=False, sharey=True)
+    for ax, algo in zip(axes[0], algos):
+        for gamma in sorted({r.gamma for r in completed if r.algo == algo}):
+            group = [r for r in completed if r.algo == algo and r.gamma == gamma]
+            ks = sorted({int(key.split("@")[1]) for key in group[0].final
+                         if key.startswith("eval/pass@") and key.split("@")[1].isdigit()})
+            means = [np.mean([r.final[f"eval/pass@{k}"] for r in group]) for k in ks]
+            ax.plot(ks, means, marker="o", label=f"gamma={gamma:g} ({len(group)} seeds)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.set_title(algo)
+        ax.set_xlabel("k")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("final pass@k")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report(sweep_dir: Path, out_dir: Path | None = None) -> str:
+    """Build the table, write report.md and report.png; return the text that is printed."""
+    runs = find_runs(Path(sweep_dir))
+    failed = [r for r in runs if r.status == "failed"]
+    check_same_config(runs)
+    header, rows, k = build_table(runs)
+    out_dir = Path(out_dir or sweep_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    failed_lines = [f"FAILED: {r.path} (algo={r.algo}, gamma={r.gamma:g}, seed={r.config.get('seed')}); log: {r.log_path}"
+                    for r in failed]
+    note = f"{len(runs) - len(failed)} completed runs, {len(failed)} failed. Final pass@1 and pass@{k} in %, mean +- std over seeds; * = best in column."
+    (out_dir / "report.md").write_text(
+        f"# Sweep report: {sweep_dir}\n\n{note}\n\n{format_markdown(header, rows)}\n"
+        + ("\n" + "\n".join(f"- {line}" for line in failed_lines) + "\n" if failed_lines else "")
+        + "\n![pass@k curves](report.png)\n"
+    )
+    plot_curves(runs, out_dir / "report.png")
+    text = "\n".join([format_text(header, rows), "", note, *failed_lines,
+                      f"wrote {out_dir / 'report.md'} and {out_dir / 'report.png'}"])
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fgrpo.report", description=__doc__.split("\n")[0])
+    parser.add_argument("sweep_dir", type=Path, help="a sweep directory, e.g. outputs/multirun/<date>/<time>")
+    parser.add_argument("--out", type=Path, default=None, help="where to write report.md and report.png")
+    args = parser.parse_args(argv)
+    try:
+        print(report(args.sweep_dir, args.out))
+    except ReportError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

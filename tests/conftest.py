@@ -1,0 +1,29 @@
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# W&B never reaches a server from the tests; vLLM runs in-process and quietly
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def compose():
+    """Compose the real conf/ tree with overrides, as `python run.py` would."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from fgrpo.config import register_configs
+
+    register_configs()
+
+    def _compose(*overrides: str):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            return hydra_compose("config", overrides=list(overrides), return_hydra_config=False)
+
+    return _compose

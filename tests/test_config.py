@@ -1,0 +1,87 @@
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from fgrpo.config import ConfigError, validate
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ["model", "algo", "focal", "dataset", "hardware", "sampler", "logger"]
+
+
+@pytest.mark.parametrize(
+    "group, option", [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+)
+def test_every_option_of_every_group_composes(compose, group, option):
+    overrides = [f"{group}={option}"]
+    if option == "local":  # its file paths are mandatory: give some
+        overrides += ["dataset.train.path=a.jsonl", "dataset.eval.0.path=b.jsonl"]
+    cfg = compose(*overrides)
+    assert cfg[group].get("name", option) in (option, cfg[group].get("name"))
+    validate(cfg)
+
+
+def test_paper_values_per_algorithm(compose):
+    expected = {"grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "cispo": (1.0, 5.0)}
+    for algo, (low, high) in expected.items():
+        cfg = compose(f"algo={algo}")
+        assert (cfg.algo.name, cfg.algo.clip_low, cfg.algo.clip_high) == (algo, low, high)
+        assert cfg.algo.group_size == 8 and cfg.algo.loss_agg == "token-mean" and cfg.algo.kl_coef == 0
+        assert not cfg.algo.dynamic_sampling and not cfg.algo.overlong_shaping
+    assert compose().focal.gamma == 0.0
+    assert compose("algo=cispo", "focal.gamma=1.0").focal.gamma == 1.0
+    assert compose("focal=fgrpo").focal.gamma == 1.0
+
+
+def test_schema_rejects_misspelt_key(compose, tmp_path):
+    with pytest.raises(ConfigCompositionException, match="clip_lowx"):
+        compose("algo.clip_lowx=0.3")
+    # a misspelt key in a user's own option file fails at start, naming the key and the schema
+    import shutil
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "algo" / "mine.yaml").write_text("name: grpo\nclip_lw: 0.1\n")
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException) as info:
+            hydra_compose("config", overrides=["algo=mine"])
+    assert "Key 'clip_lw' not in 'AlgoConfig'" in str(info.value.__cause__ or info.value)
+
+
+def test_schema_rejects_wrong_type(compose):
+    with pytest.raises((ConfigCompositionException, ValidationError), match="gamma"):
+        compose("focal.gamma=lots")
+    with pytest.raises((ConfigCompositionException, ValidationError), match="group_size"):
+        compose("algo.group_size=8.5")
+
+
+def test_unknown_group_option_lists_choices(compose):
+    with pytest.raises(Exception, match=r"(?s)Could not find 'algo/ppo'.*cispo.*dapo.*grpo"):
+        compose("algo=ppo")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("focal.gamma=-0.5", "focal.gamma=-0.5: must be >= 0"),
+        ("algo.group_size=1", "algo.group_size=1: must be >= 2"),
+        ("trainer.lr=0", "trainer.lr=0.0: must be > 0"),
+        ("trainer.lr=-1e-5", "trainer.lr=-1e-05: must be > 0"),
+        ("sampler.temperature=0", "sampler.temperature"),
+        ("eval.n_samples=0", "eval.n_samples"),
+        ("logger.mode=sometimes", "logger.mode"),
+    ],
+)
+def test_range_checks_name_key_and_value(compose, override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(compose(override))
+
+
+def test_several_problems_are_reported_together(compose):
+    with pytest.raises(ConfigError) as info:
+        validate(compose("focal.gamma=-1", "algo.group_size=1"))
+    assert "focal.gamma" in str(info.value) and "algo.group_size" in str(info.value)

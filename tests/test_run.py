@@ -1,0 +1,209 @@
+"""End-to-end runs of `python run.py` (the real CLI, Hydra, model, samplers, W&B offline files)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fgrpo.samplers import vllm_available
+from fgrpo.tracking import read_metrics, read_wandb_history
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = [
+    "model=tiny_random", "trainer.steps=2", "trainer.prompts_per_step=2", "algo.group_size=4",
+    "eval.n_samples=4", "eval.max_problems=4", "eval.every=1", "sampler.max_new_tokens=8",
+]
+TINY_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=1024)  # conf/model/tiny_random.yaml
+STEP_KEYS = [
+    "train/reward_mean", "train/frac_all_correct", "train/frac_all_wrong", "train/frac_mixed",
+    "train/success_rate_hist", "train/focal_weight_mean", "train/focal_weight_min", "train/adv_abs_mean",
+    "train/loss", "train/clip_frac_low", "train/clip_frac_high", "train/approx_kl", "train/entropy",
+    "train/completion_len_mean", "train/completion_len_max", "train/truncated_frac",
+    "perf/sampler_tokens_per_s", "perf/learner_tokens_per_s", "perf/step_time_s",
+]
+
+
+def run_cli(run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 900, python=None):
+    command = [python or sys.executable, str(REPO / "run.py"), f"hydra.run.dir={run_dir}", *overrides]
+    full_env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
+    return subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def load_state(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def initial_tiny_state() -> dict:
+    from fgrpo.model import random_folder
+
+    return load_state(random_folder(TINY_SHAPE, seed=0))
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    ["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")])],
+)
+def test_two_steps_on_tiny_random_change_all_parameters(tmp_path, sampler):
+    # a random model earns no reward, so the policy-gradient term is 0 here; a small entropy bonus
+    # (weight decay off) makes every parameter's gradient non-zero through the same learner path
+    result = run_cli(tmp_path, *TINY, f"sampler={sampler}", "algo=cispo", "focal.gamma=1.0", "trainer.lr=1e-3",
+                     "trainer.warmup_steps=0", "trainer.weight_decay=0", "algo.entropy_coef=0.01",
+                     "trainer.save_final=true", "logger=none")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    steps = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for key in STEP_KEYS:
+        assert key in steps[0], key
+    assert len(steps[0]["train/success_rate_hist"]) == 2
+    evals = [r for r in rows if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    assert {"eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/arithmetic/pass@4"} <= set(evals[-1])
+    assert (tmp_path / "pass_at_k.png").stat().st_size > 10_000
+    assert (tmp_path / ".hydra" / "config.yaml").is_file()
+    before, after = initial_tiny_state(), load_state(tmp_path / "final_model")
+    unchanged = [name for name in before if torch.equal(before[name], after[name])]
+    assert not unchanged, f"parameters that did not change: {unchanged}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 2e-3), ("bfloat16", 0.08)])
+def test_vllm_logprobs_match_learner_after_weight_update(dtype, tolerance):
+    """After pushing new weights, vLLM's log-probs of its own samples equal the learner's recomputation."""
+    from fgrpo.learner import Sequence, completion_logprobs
+    from fgrpo.model import load_policy, load_tokenizer, random_folder
+    from fgrpo.samplers import VLLMSampler
+
+    folder = random_folder(TINY_SHAPE, seed=0)
+    tokenizer = load_tokenizer(folder)
+    policy = load_policy(folder, dtype="float32", device="cpu")
+    sampler = VLLMSampler(folder, dtype=dtype, max_model_len=256, seed=0, device="cpu", kv_cache_gib=1)
+    prompts = [tokenizer(f"What is {a} + {a}?")["input_ids"] for a in range(4)]
+    try:
+        # move the weights far from the ones vLLM loaded: a few large AdamW steps
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-2)
+        for _ in range(3):
+            batch = [Sequence(p, [5, 6, 7, 8]) for p in prompts]
+            logp, mask, _ = completion_logprobs(policy, batch, pad_id=tokenizer.pad_token_id)
+            optimizer.zero_grad()
+            (-(logp * mask).sum()).backward()
+            optimizer.step()
+
+        def gap():
+            groups = sampler.generate(prompts, 4, max_new_tokens=12, temperature=1.0, top_p=1.0, seed=1)
+            seqs = [Sequence(p, c.token_ids) for p, g in zip(prompts, groups) for c in g]
+            sampled = [torch.tensor(c.logprobs) for g in groups for c in g]
+            with torch.no_grad():
+                learner, mask, _ = completion_logprobs(policy, seqs, pad_id=tokenizer.pad_token_id)
+            return max((learner[i, : len(s)] - s).abs().max().item() for i, s in enumerate(sampled))
+
+        stale = gap()
+        sampler.update_weights(policy)
+        synced = gap()
+    finally:
+        sampler.close()
+    assert synced < tolerance, f"vLLM ({dtype}) log-probs differ from the learner's by {synced} after the push"
+    assert stale > 10 * tolerance, f"before the push the gap was only {stale}: the test would not notice a failed push"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")
+def test_default_model_and_sampler_two_steps_write_metrics_and_wandb_files(tmp_path):
+    result = run_cli(tmp_path, "trainer.steps=2", "trainer.prompts_per_step=4", "eval.max_problems=8",
+                     "eval.n_samples=4", "eval.every=0", "trainer.weight_decay=0", "trainer.warmup_steps=0",
+                     "trainer.save_final=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    # real rewards (SmolLM2 is right ~25% of the time): mixed groups, non-zero advantages, and the
+    # policy gradient alone (no weight decay) moved every parameter
+    steps = [r for r in rows if "train/loss" in r]
+    assert any(r["train/frac_mixed"] > 0 and r["train/adv_abs_mean"] > 0 for r in steps)
+    from fgrpo.model import bundled_folder
+
+    before, after = load_state(bundled_folder()), load_state(tmp_path / "final_model")
+    assert not [name for name in before if torch.equal(before[name], after[name])]
+    evals = [r for r in rows if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    assert all(0.0 <= r["eval/pass@1"] <= r["eval/pass@4"] <= 1.0 for r in evals)
+    history = read_wandb_history(tmp_path)
+    wandb_evals = [h for h in history if "eval/pass@1" in h]
+    assert len(wandb_evals) == 2
+    for jsonl_row, wandb_row in zip(evals, wandb_evals):
+        assert wandb_row["eval/pass@1"] == pytest.approx(jsonl_row["eval/pass@1"])
+        assert wandb_row["eval/pass@4"] == pytest.approx(jsonl_row["eval/pass@4"])
+    assert any("train/reward_mean" in h for h in history)
+
+
+def run_bad(tmp_path, *overrides, env=None):
+    result = run_cli(tmp_path, "model=tiny_random", "logger=none", *overrides, env=env, timeout=120)
+    assert result.returncode != 0
+    return result.stderr
+
+
+def test_bad_gamma_group_size_lr_fail_before_model_loads(tmp_path):
+    stderr = run_bad(tmp_path, "focal.gamma=-1", "algo.group_size=1", "trainer.lr=0")
+    assert "focal.gamma=-1.0: must be >= 0" in stderr
+    assert "algo.group_size=1: must be >= 2" in stderr
+    assert "trainer.lr=0.0: must be > 0" in stderr
+    assert "Traceback" not in stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_unknown_group_option_lists_choices(tmp_path):
+    stderr = run_bad(tmp_path, "algo=ppo")
+    assert "Could not find 'algo/ppo'" in stderr and "cispo" in stderr and "dapo" in stderr
+
+
+def test_missing_dataset_file_and_row_without_answer(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    stderr = run_bad(tmp_path / "a", "dataset=local", f"dataset.train.path={missing}", f"dataset.eval.0.path={missing}")
+    assert str(missing) in stderr and "does not exist" in stderr
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?"}\n')
+    stderr = run_bad(tmp_path / "b", "dataset=local", f"dataset.train.path={broken}", f"dataset.eval.0.path={broken}")
+    assert str(broken) in stderr and "row 1" in stderr and "answer" in stderr
+
+
+def test_hub_model_without_network_says_pass_a_local_path(tmp_path):
+    stderr = run_bad(tmp_path, "model=qwen2_5_7b", env={"HF_HUB_OFFLINE": "1"})
+    assert "Qwen/Qwen2.5-7B" in stderr and "model.path=" in stderr and "no network" in stderr
+
+
+def test_vllm_sampler_without_vllm_says_how_to_install(tmp_path):
+    # hide vLLM from this one process: the only way to cause "not installed" on a machine that has it
+    hide_vllm = tmp_path / "hide_vllm"
+    hide_vllm.mkdir()
+    (hide_vllm / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
+    stderr = run_bad(tmp_path / "run", "sampler=vllm", env={"PYTHONPATH": str(hide_vllm)})
+    assert "sampler=vllm needs vLLM" in stderr and "sampler=hf" in stderr and "pip install" in stderr
+
+
+def test_interrupted_run_keeps_its_directory_and_metrics(tmp_path):
+    command = [sys.executable, str(REPO / "run.py"), f"hydra.run.dir={tmp_path}", *TINY, "sampler=hf",
+               "trainer.steps=200", "logger=wandb"]
+    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "WANDB_MODE": "offline"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and any(r.get("step", 0) >= 2 for r in read_metrics(metrics)):
+            break
+        time.sleep(0.5)
+    assert process.poll() is None, process.stderr.read()[-3000:]
+    process.send_signal(signal.SIGINT)  # what Ctrl-C (or a Slurm pre-emption warning) delivers
+    process.wait(timeout=120)
+    assert process.returncode != 0
+    rows = read_metrics(metrics)
+    assert any("eval/pass@1" in r for r in rows) and any(r.get("step", 0) >= 2 for r in rows)
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert read_wandb_history(tmp_path), "the W&B file of the interrupted run holds no history"
