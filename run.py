@@ -15,13 +15,14 @@ import sys
 from pathlib import Path
 
 # quiet third-party chatter so the progress bar stays readable; users can override
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, open_dict
 
 from fgrpo.config import ConfigError, register_configs
 
@@ -39,12 +40,20 @@ def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     run_name = hydra_cfg.job.override_dirname or "default"
-    log.info("run directory: %s", run_dir)
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    if sweeping and cfg.logger.get("group") is None:
+        # one W&B group per sweep, named after its directory
+        sweep_dir = Path(hydra_cfg.sweep.dir)
+        with open_dict(cfg):
+            cfg.logger.group = f"sweep-{sweep_dir.parent.name}-{sweep_dir.name}"
+    log.info("run directory: %s%s", run_dir, f" (W&B group {cfg.logger.group})" if sweeping else "")
     try:
-        final = train(cfg, run_dir, run_name=run_name)
+        final = train(cfg, run_dir, run_name=run_name, overrides=list(hydra_cfg.overrides.task))
     except (ConfigError, DataError, ModelSourceError, SamplerUnavailable) as error:
-        # bad input: a clear message, no traceback, non-zero exit
         log.error("%s", error)
+        if sweeping:  # this job fails alone; the sweep goes on and reports it at the end
+            raise
+        # bad input: a clear message, no traceback, non-zero exit
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     log.info("final: %s", {k: round(v, 4) for k, v in final.items() if "/" in k and k.count("/") == 1})

@@ -85,13 +85,18 @@ class DatasetConfig:
 class HardwareConfig:
     name: str = MISSING
     device: str = "cpu"  # cpu | cuda
-    learner_dtype: str = "float32"
+    learner_dtype: str = "float32"  # the weights and the optimizer state
+    autocast_dtype: Optional[str] = None  # matmuls of the learner's forward/backward in this dtype (null: off)
     sampler_dtype: str = "bfloat16"
     micro_batch_size: int = 8
     threads: int = 0  # torch threads on CPU; 0 = all cores
     sampler_kv_cache_gib: int = 2  # vLLM on CPU (whole GiB)
     sampler_gpu_memory_utilization: float = 0.35  # vLLM on GPU: the learner shares the card
     gradient_checkpointing: bool = False
+    # what one sweep job asks Slurm for (conf/hydra/launcher/slurm.yaml reads these)
+    slurm_cpus_per_task: int = 2
+    slurm_gpus_per_node: int = 0
+    slurm_mem_gb: int = 16
 
 
 @dataclass
@@ -116,7 +121,7 @@ class LoggerConfig:
 
 @dataclass
 class TrainerConfig:
-    steps: int = 40
+    steps: int = 30
     prompts_per_step: int = 8
     lr: float = 1e-5
     warmup_steps: int = 2
@@ -130,7 +135,7 @@ class TrainerConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = 20  # steps between evaluations; 0 = only before the first and after the last step
+    every: int = 15  # steps between evaluations; 0 = only before the first and after the last step
     n_samples: int = 16
     max_problems: int = 40
 
@@ -199,6 +204,8 @@ def validate(cfg: DictConfig | Config) -> None:
     need(0 < cfg.sampler.top_p <= 1, "sampler.top_p", cfg.sampler.top_p, "must be in (0, 1]")
     need(cfg.hardware.device in ("cpu", "cuda"), "hardware.device", cfg.hardware.device, "must be cpu or cuda")
     need(cfg.hardware.micro_batch_size >= 1, "hardware.micro_batch_size", cfg.hardware.micro_batch_size, "must be >= 1")
+    autocast = cfg.hardware.autocast_dtype
+    need(autocast in (None, "bfloat16", "float16"), "hardware.autocast_dtype", autocast, "must be null, bfloat16 or float16")
     for key in ("learner_dtype", "sampler_dtype"):
         value = cfg.hardware[key] if isinstance(cfg, DictConfig) else getattr(cfg.hardware, key)
         need(value in ("float32", "bfloat16", "float16"), f"hardware.{key}", value,

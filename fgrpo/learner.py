@@ -39,20 +39,30 @@ def _pad_micro_batch(seqs: list[Sequence], pad_id: int, device) -> tuple[torch.T
 
 
 def completion_logprobs(
-    model, seqs: list[Sequence], *, pad_id: int, temperature: float = 1.0, with_entropy: bool = False
+    model,
+    seqs: list[Sequence],
+    *,
+    pad_id: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    autocast_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Log-probs of each completion token under ``model`` (with grad if enabled).
 
     Returns ``(logp [B, T], mask [B, T], entropy [B, T] or None)`` with T the longest completion.
     Logits are divided by the sampling temperature, so the log-probs are those of the distribution
-    the sampler drew from (as verl does).
+    the sampler drew from (as verl does). ``autocast_dtype`` (e.g. bfloat16) runs the matmuls in
+    that dtype over fp32 weights; the log-softmax is always fp32.
     """
     device = next(model.parameters()).device
     input_ids, attention_mask, completion_mask = _pad_micro_batch(seqs, pad_id, device)
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    # only completion positions go through the LM head: [N, hidden] -> [N, vocab]
-    selected_hidden = hidden[:, :-1][completion_mask]
-    logits = model.get_output_embeddings()(selected_hidden).float()
+    with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        # only completion positions go through the LM head: [N, hidden] -> [N, vocab]
+        selected_hidden = hidden[:, :-1][completion_mask]
+        logits = model.get_output_embeddings()(selected_hidden)
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     targets = input_ids[:, 1:][completion_mask]
@@ -66,8 +76,10 @@ def completion_logprobs(
     logp = logp.masked_scatter(mask, flat_logp)
     entropy = None
     if with_entropy:
-        probs = torch.softmax(logits, dim=-1)
-        flat_entropy = log_norm - (probs * logits).sum(-1)
+        # a metric unless entropy_coef > 0: no graph through the [N, vocab] softmax then
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            probs = torch.softmax(logits, dim=-1)
+            flat_entropy = log_norm - (probs * logits).sum(-1)
         entropy = torch.zeros(mask.shape, dtype=flat_entropy.dtype, device=device).masked_scatter(mask, flat_entropy)
     return logp, mask, entropy
 
@@ -79,12 +91,17 @@ def _micro_batches(seqs: list[Sequence], size: int) -> list[list[Sequence]]:
 
 
 @torch.no_grad()
-def fill_old_logprobs(model, seqs: list[Sequence], *, pad_id: int, temperature: float, micro_batch_size: int) -> None:
+def fill_old_logprobs(
+    model, seqs: list[Sequence], *, pad_id: int, temperature: float, micro_batch_size: int,
+    autocast_dtype: torch.dtype | None = None,
+) -> None:
     """Record each sequence's log-probs under the current (sampling) policy, for off-policy mini-batches."""
     was_training = model.training
     model.eval()
     for micro in _micro_batches(seqs, micro_batch_size):
-        logp, mask, _ = completion_logprobs(model, micro, pad_id=pad_id, temperature=temperature)
+        logp, mask, _ = completion_logprobs(
+            model, micro, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype
+        )
         for row, seq in enumerate(micro):
             seq.old_logp = logp[row, : len(seq.completion_ids)].detach().clone()
     model.train(was_training)
@@ -102,6 +119,7 @@ def update_policy(
     grad_clip: float,
     max_new_tokens: int,
     ref_model=None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
     """One optimizer step on ``seqs`` with gradient accumulation over micro-batches.
 
@@ -112,14 +130,14 @@ def update_policy(
     """
     num_tokens = float(sum(len(s.completion_ids) for s in seqs))
     num_seqs = float(len(seqs))
-    want_entropy = True
     optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = {}
     ratio_max = 0.0
     loss_total = 0.0
     for micro in _micro_batches(seqs, micro_batch_size):
         logp, mask, entropy = completion_logprobs(
-            model, micro, pad_id=pad_id, temperature=temperature, with_entropy=want_entropy
+            model, micro, pad_id=pad_id, temperature=temperature, with_entropy=True,
+            entropy_grad=algo_cfg.entropy_coef > 0, autocast_dtype=autocast_dtype,
         )
         if all(s.old_logp is not None for s in micro):
             old_logp = torch.zeros_like(logp)
@@ -131,7 +149,9 @@ def update_policy(
         ref_logp = None
         if algo_cfg.kl_coef > 0:
             with torch.no_grad():
-                ref_logp, _, _ = completion_logprobs(ref_model, micro, pad_id=pad_id, temperature=temperature)
+                ref_logp, _, _ = completion_logprobs(
+                    ref_model, micro, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype
+                )
         loss, metrics = policy_loss(
             algo_cfg.name,
             logp,

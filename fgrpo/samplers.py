@@ -68,7 +68,6 @@ class VLLMSampler:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
-        threads = torch.get_num_threads()
         from vllm import LLM
 
         kwargs = dict(
@@ -86,7 +85,6 @@ class VLLMSampler:
         self.llm = LLM(**kwargs)
         self.dtype = getattr(torch, dtype)
         self.device = device
-        torch.set_num_threads(threads)  # keep the learner's thread count whatever vLLM did
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(self, prompts, n, *, max_new_tokens, temperature, top_p, seed):
@@ -94,7 +92,10 @@ class VLLMSampler:
 
         params = SamplingParams(
             n=n, temperature=temperature, top_p=top_p, top_k=-1 if _vllm_wants_minus_one() else 0,
-            max_tokens=max_new_tokens, logprobs=0, seed=seed,
+            max_tokens=max_new_tokens, logprobs=0,
+            # per-request seeds crash vLLM-CPU 0.32 when a chunked prefill is discarded ("CPU Generator
+            # does not use offset"); on CPU the engine's own seed (set at start) drives sampling
+            seed=seed if self.device == "cuda" else None,
         )
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         groups = []

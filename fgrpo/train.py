@@ -115,8 +115,13 @@ def evaluate(sampler: Sampler, data: Data, prompt_cache: dict, verifier, cfg: Di
     return metrics, curves
 
 
-def train(cfg: DictConfig, run_dir: Path, *, run_name: str | None = None) -> dict[str, float]:
-    """Run one experiment; returns the final evaluation metrics. Writes everything into ``run_dir``."""
+def train(
+    cfg: DictConfig, run_dir: Path, *, run_name: str | None = None, overrides: list[str] | None = None
+) -> dict[str, float]:
+    """Run one experiment; returns the final evaluation metrics. Writes everything into ``run_dir``.
+
+    ``overrides`` (the command line's) go into the W&B config beside the composed config.
+    """
     validate(cfg)
     data = load_data(cfg.dataset)
     verifier = make_verifier(cfg.dataset.verifier, timeout_s=cfg.dataset.verifier_timeout_s)
@@ -161,7 +166,7 @@ def train(cfg: DictConfig, run_dir: Path, *, run_name: str | None = None) -> dic
     tracker = Tracker(
         run_dir, backend=cfg.logger.name, project=cfg.logger.get("project", "fgrpo"),
         name=cfg.run_name or run_name, group=cfg.logger.get("group"), mode=cfg.logger.get("mode"),
-        entity=cfg.logger.get("entity"), tags=list(cfg.logger.get("tags") or []), config=to_container(cfg),
+        entity=cfg.logger.get("entity"), tags=list(cfg.logger.get("tags") or []), config={**to_container(cfg), "overrides": list(overrides or [])},
     )
     curves: dict[str, dict] = {}
     eval_seed = cfg.seed + 1_000_003
@@ -214,14 +219,13 @@ def train(cfg: DictConfig, run_dir: Path, *, run_name: str | None = None) -> dic
                 sample_time = time.perf_counter() - step_start
             verify_time = 0.0  # verification runs inside sample_groups; it is cheap next to sampling
 
-            rewards = correct.clone()
-            if cfg.algo.overlong_shaping:
-                rewards += torch.tensor([[overlong_penalty(len(c.token_ids), cfg.sampler.max_new_tokens,
-                                                            cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
-                                          for c in g] for g in groups])
-
             step_metrics: dict[str, float | list[float]] = {}
             if len(problems) > 0:
+                rewards = correct.clone()
+                if cfg.algo.overlong_shaping:
+                    rewards += torch.tensor([[overlong_penalty(len(c.token_ids), cfg.sampler.max_new_tokens,
+                                                                cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
+                                              for c in g] for g in groups])
                 # Eq. 13: the focal weight (from correctness) times the group-normalised advantage
                 weights = focal_weight(correct, cfg.focal.gamma)
                 advantages = weights[:, None] * group_advantages(rewards, std_normalize=cfg.algo.std_normalize)
@@ -296,12 +300,13 @@ def train(cfg: DictConfig, run_dir: Path, *, run_name: str | None = None) -> dic
 
 def _learn(policy, optimizer, seqs, cfg, pad_id, reference) -> dict[str, float]:
     """One update per mini-batch; with one mini-batch the batch is on-policy (no extra forward)."""
+    autocast = cfg.hardware.autocast_dtype
     common = dict(
         algo_cfg=cfg.algo, pad_id=pad_id, temperature=cfg.sampler.temperature,
-        micro_batch_size=cfg.hardware.micro_batch_size,
+        micro_batch_size=cfg.hardware.micro_batch_size, autocast_dtype=getattr(torch, autocast) if autocast else None,
     )
     if cfg.trainer.mini_batches > 1:
-        fill_old_logprobs(policy, seqs, **common)
+        fill_old_logprobs(policy, seqs, **{k: v for k, v in common.items() if k != "algo_cfg"})
     order = np.random.default_rng(len(seqs)).permutation(len(seqs))
     chunks = np.array_split(order, cfg.trainer.mini_batches)
     results = [

@@ -207,3 +207,26 @@ def test_interrupted_run_keeps_its_directory_and_metrics(tmp_path):
     assert any("eval/pass@1" in r for r in rows) and any(r.get("step", 0) >= 2 for r in rows)
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert read_wandb_history(tmp_path), "the W&B file of the interrupted run holds no history"
+
+
+def test_overlong_penalty_follows_dapo():
+    from fgrpo.train import overlong_penalty
+
+    # max 32 tokens, buffer 16: no penalty up to 16, then linear down to -1 at 32
+    assert overlong_penalty(10, 32, 16, 1.0) == 0.0
+    assert overlong_penalty(16, 32, 16, 1.0) == 0.0
+    assert overlong_penalty(24, 32, 16, 1.0) == pytest.approx(-0.5)
+    assert overlong_penalty(32, 32, 16, 0.5) == pytest.approx(-0.5)
+
+
+def test_dapo_options_run_and_skip_steps_without_mixed_groups(tmp_path):
+    # a random model earns no reward: dynamic sampling finds no mixed group, so every step is skipped
+    # with a warning rather than training on zero advantages
+    result = run_cli(tmp_path, *TINY, "sampler=hf", "algo=dapo", "algo.dynamic_sampling=true",
+                     "algo.max_sampling_rounds=2", "algo.overlong_shaping=true", "algo.overlong_buffer=4",
+                     "logger=none")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dynamic sampling found no mixed group" in (tmp_path / "run.log").read_text()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    steps = [r for r in rows if r.get("step", 0) > 0 and "perf/step_time_s" in r]
+    assert len(steps) == 2 and all("train/loss" not in r for r in steps)
