@@ -2,8 +2,10 @@
 
     python -m fgrpo.report outputs/multirun/2026-11-22/10-00-00 [--out DIR]
 
-Reads only what the runs wrote (``.hydra/config.yaml`` and ``metrics.jsonl`` in each run directory),
-so a sweep copied back from a cluster reports the same. Writes ``report.md`` and ``report.png``
+Reads only what the runs wrote (``.hydra/config.yaml``, ``.hydra/hydra.yaml`` and ``metrics.jsonl`` in each
+run directory; the sweep's ``multirun.yaml`` and submitit's ``.submitit/`` log folders), so a sweep copied back
+from a cluster reports the same. A job that failed before it wrote a run directory is still listed as FAILED
+(from the job list in ``multirun.yaml``), with its Slurm log when there is one. Writes ``report.md`` and ``report.png``
 (pass@k curves, one panel per algorithm, one line per gamma) next to the sweep, or into ``--out``.
 """
 
@@ -36,6 +38,8 @@ class Run:
     evals: list[dict] = field(default_factory=list)  # rows of metrics.jsonl with eval/pass@1
     status: str = "completed"  # completed | failed
     log_path: Path | None = None
+    job_num: int | None = None  # Hydra's hydra.job.num (the #i of the sweep's job list)
+    job_id: str | None = None  # Hydra's hydra.job.id (the Slurm job id, e.g. 12_3, under submitit)
 
     @property
     def algo(self) -> str:
@@ -61,31 +65,107 @@ def _flatten(tree, prefix: str = "") -> dict:
     return flat
 
 
-def _job_log(run_dir: Path, sweep_dir: Path) -> Path | None:
-    """The most useful log of a run: Hydra's job log, else submitit's stderr for that job."""
-    for candidate in sorted(run_dir.glob("*.log")):
-        return candidate
-    submitit = sorted(sweep_dir.glob(".submitit/*/*_log.err"))
-    return submitit[-1] if submitit else None
+def _slurm_log(sweep_dir: Path, job_id: str | None) -> Path | None:
+    """submitit's stderr log of one Slurm task (.submitit/<job>_<task>/<job>_<task>_0_log.err), if there."""
+    if not job_id:
+        return None
+    logs = sorted((sweep_dir / ".submitit" / job_id).glob(f"{job_id}_*_log.err"))
+    return logs[0] if logs else None
+
+
+def _job_log(run_dir: Path, sweep_dir: Path, job_id: str | None = None) -> Path | None:
+    """The most useful log of a run: submitit's stderr of its Slurm task (it holds the traceback), else
+    Hydra's job log in the run directory."""
+    slurm = _slurm_log(sweep_dir, job_id)
+    if slurm is not None:
+        return slurm
+    logs = sorted(run_dir.glob("*.log"))
+    return logs[0] if logs else None
+
+
+def _load_yaml(path: Path):
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
+def sweep_jobs(sweep_dir: Path) -> dict[int, list[str]] | None:
+    """The sweep's job list {job number: overrides}, expanded from its multirun.yaml as Hydra's basic
+    sweeper does; None when there is no multirun.yaml or it cannot be expanded."""
+    multirun = _load_yaml(Path(sweep_dir) / "multirun.yaml")
+    hydra = multirun.get("hydra") if isinstance(multirun, dict) else None
+    if not isinstance(hydra, dict):
+        return None
+    arguments = [f"{key}={value}" for key, value in ((hydra.get("sweeper") or {}).get("params") or {}).items()]
+    arguments += list((hydra.get("overrides") or {}).get("task") or [])
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(arguments), None)
+    except Exception:  # e.g. a glob over config groups, which needs the config tree: skip this check
+        return None
+    return {num: list(overrides) for num, overrides in enumerate(job for batch in batches for job in batch)}
+
+
+def _slurm_tasks(sweep_dir: Path) -> list[str]:
+    """submitit's Slurm task folders (<job>_<task>) in submission order."""
+    names = [p.name for p in (Path(sweep_dir) / ".submitit").glob("*_*") if p.is_dir()]
+    tasks = [n for n in names if all(part.isdigit() for part in n.split("_"))]
+    return sorted(tasks, key=lambda n: tuple(int(part) for part in n.split("_")))
+
+
+@dataclass
+class MissingJob:
+    """A job of the sweep's list that left no run directory (it failed before Hydra made one, or never ran)."""
+
+    job_num: int
+    overrides: list[str]
+    job_id: str | None = None
+    log_path: Path | None = None
+
+
+def find_missing_jobs(sweep_dir: Path, runs: list[Run]) -> list[MissingJob]:
+    jobs = sweep_jobs(sweep_dir)
+    if not jobs:
+        return []
+    seen = {run.job_num for run in runs}
+    missing = [MissingJob(num, overrides) for num, overrides in jobs.items() if num not in seen]
+    tasks = _slurm_tasks(sweep_dir)
+    # a sweep submitted once has one task per job, in job order; use that only if the runs agree with it
+    if len(tasks) == len(jobs) and all(run.job_id is None or tasks[run.job_num] == run.job_id
+                                       for run in runs if run.job_num is not None and run.job_num < len(tasks)):
+        for job in missing:
+            job.job_id = tasks[job.job_num]
+            job.log_path = _slurm_log(sweep_dir, job.job_id)
+    return missing
 
 
 def find_runs(sweep_dir: Path) -> list[Run]:
-    import yaml
-
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise ReportError(f"{sweep_dir} is not a directory: pass a sweep directory such as outputs/multirun/<date>/<time>")
     runs = []
     for config_file in sorted(sweep_dir.rglob(".hydra/config.yaml")):
         run_dir = config_file.parent.parent
-        config = _flatten(yaml.safe_load(config_file.read_text()) or {})
+        config = _flatten(_load_yaml(config_file))
         if "algo.name" not in config or "focal.gamma" not in config:
             continue
+        job = (_load_yaml(config_file.parent / "hydra.yaml").get("hydra") or {}).get("job") or {}
+        job_num = job.get("num") if isinstance(job.get("num"), int) else None
+        job_id = str(job["id"]) if job.get("id") not in (None, "???") else None
         metrics_file = run_dir / "metrics.jsonl"
-        rows = read_metrics(metrics_file) if metrics_file.exists() else []
+        try:
+            rows = read_metrics(metrics_file) if metrics_file.exists() else []
+        except ValueError:  # a corrupt metrics.jsonl: count the run as failed
+            rows = []
         evals = [row for row in rows if "eval/pass@1" in row]
         finished = bool(evals) and evals[-1].get("step") == config.get("trainer.steps")
-        runs.append(Run(run_dir, config, evals, "completed" if finished else "failed", _job_log(run_dir, sweep_dir)))
+        runs.append(Run(run_dir, config, evals, "completed" if finished else "failed",
+                        _job_log(run_dir, sweep_dir, job_id), job_num, job_id))
     if not runs:
         raise ReportError(
             f"no runs found under {sweep_dir}: a run directory holds .hydra/config.yaml and metrics.jsonl "
@@ -192,13 +272,18 @@ def report(sweep_dir: Path, out_dir: Path | None = None) -> str:
     """Build the table, write report.md and report.png; return the text that is printed."""
     runs = find_runs(Path(sweep_dir))
     failed = [r for r in runs if r.status == "failed"]
+    missing = find_missing_jobs(Path(sweep_dir), runs)
     check_same_config(runs)
     header, rows, k = build_table(runs)
     out_dir = Path(out_dir or sweep_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     failed_lines = [f"FAILED: {r.path} (algo={r.algo}, gamma={r.gamma:g}, seed={r.config.get('seed')}); log: {r.log_path}"
                     for r in failed]
-    note = f"{len(runs) - len(failed)} completed runs, {len(failed)} failed. Final pass@1 and pass@{k} in %, mean +- std over seeds; * = best in column."
+    failed_lines += [f"FAILED: sweep job #{job.job_num} [{' '.join(job.overrides)}]"
+                     + (f" (Slurm job {job.job_id})" if job.job_id else "")
+                     + f" left no run directory; log: {job.log_path or 'none (it failed before writing one, or never ran)'}"
+                     for job in missing]
+    note = f"{len(runs) - len(failed)} completed runs, {len(failed) + len(missing)} failed. Final pass@1 and pass@{k} in %, mean +- std over seeds; * = best in column."
     (out_dir / "report.md").write_text(
         f"# Sweep report: {sweep_dir}\n\n{note}\n\n{format_markdown(header, rows)}\n"
         + ("\n" + "\n".join(f"- {line}" for line in failed_lines) + "\n" if failed_lines else "")

@@ -1,10 +1,12 @@
 """fgrpo's Hydra plugins (Hydra finds plugins only under the ``hydra_plugins`` namespace).
 
 - :class:`ValidatingSweeper`: Hydra's basic sweeper that also range-checks every job's composed config
-  (``fgrpo.config.validate``) before the first job is launched, so ``focal.gamma=-1,0`` fails at once.
+  (``fgrpo.config.validate``) before the first job is launched, so ``focal.gamma=-1,0`` fails at once;
+  and that lets every job run when one fails, then lists each failed job with its log path (Hydra's own
+  sweeper stops at the first failed batch and prints a traceback).
 - :class:`SlurmLauncher`: hydra-submitit-launcher's Slurm launcher that checks for ``sbatch`` before
   submitting, waits for every array task, and reports each failed one with its log paths instead of
-  stopping at the first.
+  stopping at the first. A job whose training fails exits non-zero, so Slurm (``sacct``) records it FAILED.
 """
 
 from __future__ import annotations
@@ -12,13 +14,56 @@ from __future__ import annotations
 import logging
 import shutil
 import sys
-from typing import Any, Sequence
+import time
+import traceback
+from pathlib import Path
+from typing import Any, List, Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
+from omegaconf import OmegaConf
 
 log = logging.getLogger("fgrpo")
+
+
+class SweepJobFailed(RuntimeError):
+    """One sweep job failed; the message names the job and its log paths."""
+
+
+def _bad_input_errors() -> tuple[type, ...]:
+    """Errors whose message says everything (no traceback needed)."""
+    from fgrpo.config import ConfigError
+    from fgrpo.data import DataError
+    from fgrpo.model import ModelSourceError
+    from fgrpo.samplers import SamplerUnavailable
+
+    return ConfigError, DataError, ModelSourceError, SamplerUnavailable
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def describe_failure(result: JobReturn, job_num: int) -> str:
+    """A failed job in a few lines: its number, overrides, error and where its log is."""
+    error = result._return_value
+    if isinstance(error, SweepJobFailed):
+        return str(error)
+    overrides = " ".join(result.overrides or [])
+    reason = _first_line(error) if isinstance(error, BaseException) else repr(error)
+    lines = [f"sweep job #{job_num} [{overrides}] failed: {reason}"]
+    hydra_cfg = result.hydra_cfg.hydra if result.hydra_cfg is not None else None
+    if hydra_cfg is not None:
+        run_dir = Path(str(hydra_cfg.runtime.output_dir))
+        lines.append(f"    log: {run_dir / (str(hydra_cfg.job.name) + '.log')}")
+        lines.append(f"    run dir: {run_dir}")
+    if isinstance(error, BaseException) and not isinstance(error, _bad_input_errors()):
+        trace = "".join(traceback.format_exception(error)).rstrip()
+        lines.append("    " + trace.replace("\n", "\n    "))
+    return "\n".join(lines)
 
 
 class ValidatingSweeper(BasicSweeper):
@@ -41,9 +86,54 @@ class ValidatingSweeper(BasicSweeper):
             print(f"error: {message}", file=sys.stderr)
             sys.exit(2)
 
+    def sweep(self, arguments: List[str]) -> Any:
+        """BasicSweeper.sweep, except that a failed job does not stop the sweep: every batch runs, then
+        each failed job is listed with its log path and the command exits with status 1."""
+        assert self.config is not None and self.launcher is not None and self.hydra_context is not None
+        params_conf = self._parse_config()
+        params_conf.extend(arguments)
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        self.overrides = self.split_arguments(parser.parse_overrides(params_conf), self.max_batch_size)
+        returns: List[Sequence[JobReturn]] = []
 
-class SweepJobFailed(RuntimeError):
-    pass
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+
+        failures: list[str] = []
+        total = 0
+        initial_job_idx = 0
+        while not self.is_done():
+            batch = self.get_job_batch()
+            tic = time.perf_counter()
+            self.validate_batch_is_legal(batch)
+            log.debug("validated %d jobs in %.2f s", len(batch), time.perf_counter() - tic)
+            results = self.launcher.launch(batch, initial_job_idx=initial_job_idx)
+            for index, result in enumerate(results):
+                if result.status != JobStatus.COMPLETED:
+                    failures.append(describe_failure(result, initial_job_idx + index))
+            total += len(batch)
+            initial_job_idx += len(batch)
+            returns.append(results)
+
+        if failures:
+            print(
+                f"error: {len(failures)} of {total} sweep jobs failed (the other {total - len(failures)} completed; "
+                f"`python -m fgrpo.report {sweep_dir}` tabulates them):\n  " + "\n  ".join(failures),
+                file=sys.stderr,
+            )
+            sys.exit(1)
+        return returns
+
+
+def _submitit_error_line(error: BaseException) -> str:
+    """The exception line of a task's error (submitit's FailedJobError wraps the task's whole traceback)."""
+    text = str(error)
+    if "----------------------" in text:  # FailedJobError: '... trace:\n----\n<traceback>\n----\n...'
+        trace = text.split("----------------------")[1].strip().splitlines()
+        if trace:
+            return trace[-1].strip()
+    return _first_line(error)
 
 
 class SlurmLauncher(SubmititSlurmLauncher):
@@ -53,13 +143,24 @@ class SlurmLauncher(SubmititSlurmLauncher):
             params["gpus_per_node"] = None
         super().__init__(**params)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
+        """Runs one job inside its Slurm task. A failed job raises, so the task exits non-zero (sacct: FAILED)
+        and its traceback lands in the task's Slurm stderr log."""
+        result = super().__call__(*args, **kwargs)
+        if result.status == JobStatus.FAILED and isinstance(result._return_value, BaseException):
+            raise result._return_value
+        return result
+
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         if shutil.which("sbatch") is None:
-            raise SweepJobFailed(
-                "hydra/launcher=slurm needs Slurm's `sbatch` on PATH, and there is none on this machine: run the "
-                "sweep on a cluster's login node, start a local test cluster (scripts/local-slurm start), or "
-                "drop hydra/launcher=slurm to run the jobs here one after another. Nothing was submitted."
+            # bad input: the message alone, no traceback, before anything is submitted
+            print(
+                "error: hydra/launcher=slurm needs Slurm's `sbatch` on PATH, and there is none on this machine: run "
+                "the sweep on a cluster's login node, start a local test cluster (scripts/local-slurm start), or "
+                "drop hydra/launcher=slurm to run the jobs here one after another. Nothing was submitted.",
+                file=sys.stderr,
             )
+            sys.exit(2)
         import submitit
 
         # let the parent submit (its map_array call), but collect the jobs instead of failing on the first
@@ -77,22 +178,23 @@ class SlurmLauncher(SubmititSlurmLauncher):
         finally:
             submitit.AutoExecutor.map_array = original_map_array
 
-        log.info("waiting for %d Slurm array tasks (job %s)", len(submitted), submitted[0].job_id if submitted else "-")
+        array_id = str(submitted[0].job_id).split("_")[0] if submitted else "-"
+        log.info("waiting for %d Slurm array tasks (job %s)", len(submitted), array_id)
         returns: list[JobReturn] = []
-        failures: list[str] = []
+        failures = 0
         for index, (job, overrides) in enumerate(zip(submitted, job_overrides)):
             try:
-                returns.append(job.results()[0])
-            except Exception as error:  # the task crashed, was cancelled, or timed out
+                result = job.results()[0]
+            except Exception as error:  # the job failed, the task crashed, was cancelled, or timed out
                 message = (
                     f"sweep job #{initial_job_idx + index} [{' '.join(overrides)}] (Slurm job {job.job_id}) failed: "
-                    f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}\n"
+                    f"{_submitit_error_line(error)}\n"
                     f"    log: {job.paths.stderr}\n    stdout: {job.paths.stdout}"
                 )
                 log.error(message)
-                failures.append(message)
-                failed = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=SweepJobFailed(message))
-                returns.append(failed)
+                failures += 1
+                result = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=SweepJobFailed(message))
+            returns.append(result)
         if failures:
-            log.error("%d of %d sweep jobs failed; the others completed", len(failures), len(submitted))
+            log.error("%d of %d sweep jobs failed; the others completed", failures, len(submitted))
         return returns

@@ -1,0 +1,171 @@
+"""`python -m fgrpo.report` on hand-made sweep directories (known final values, no training)."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fgrpo.report import main, report
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 2
+
+# final (pass@1, pass@4) per (algo, gamma) for seeds 0 and 1
+FINALS = {
+    ("grpo", 0.0): [(0.1, 0.5), (0.3, 0.7)],   # pass@1 20.0 +- 14.1, pass@4 60.0 +- 14.1
+    ("grpo", 1.0): [(0.4, 0.6), (0.6, 0.6)],   # pass@1 50.0 +- 14.1 (best), pass@4 60.0 +- 0.0
+    ("cispo", 0.0): [(0.2, 0.9), (0.2, 0.7)],  # pass@1 20.0 +-  0.0, pass@4 80.0 +- 14.1 (best)
+    ("cispo", 1.0): [(0.3, 0.7), (0.5, 0.7)],  # pass@1 40.0 +- 14.1, pass@4 70.0 +-  0.0
+}
+
+
+def write_run(run_dir: Path, algo: str, gamma: float, seed: int, p1: float, p4: float, *, job_num: int = 0,
+              job_id: str | None = None, lr: float = 1e-5, steps_done: int = STEPS) -> Path:
+    (run_dir / ".hydra").mkdir(parents=True)
+    config = {"seed": seed, "algo": {"name": algo, "group_size": 4}, "focal": {"gamma": gamma},
+              "trainer": {"steps": STEPS, "lr": lr}, "eval": {"n_samples": 4},
+              "logger": {"name": "wandb", "group": "sweep-x"}}
+    (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    (run_dir / ".hydra" / "hydra.yaml").write_text(
+        yaml.safe_dump({"hydra": {"job": {"name": "run", "num": job_num, "id": job_id or f"job_id_for_{job_num}"}}}))
+    rows = [{"step": 0, "eval/pass@1": 0.05, "eval/pass@2": 0.1, "eval/pass@4": 0.2}]
+    rows += [{"step": step, "train/loss": 0.1} for step in range(1, steps_done + 1)]
+    if steps_done == STEPS:
+        rows.append({"step": STEPS, "eval/pass@1": p1, "eval/pass@2": (p1 + p4) / 2, "eval/pass@4": p4,
+                     "eval/pass@4_ci_low": 0.0, "eval/pass@4_ci_high": 1.0})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (run_dir / "run.log").write_text("log\n")
+    return run_dir
+
+
+def write_sweep(root: Path, **kwargs) -> Path:
+    num = 0
+    for (algo, gamma), seeds in FINALS.items():
+        for seed, (p1, p4) in enumerate(seeds):
+            write_run(root / f"{num}_algo={algo},focal.gamma={gamma:g},seed={seed}", algo, gamma, seed, p1, p4,
+                      job_num=num, **kwargs)
+            num += 1
+    return root
+
+
+def table_rows(text: str) -> dict:
+    """{(algo, gamma): (seeds, pass@1 cell, pass@4 cell)} from the printed table."""
+    rows = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0] in ("grpo", "cispo", "dapo"):
+            cells = re.findall(r"\d+\.\d \+- +\d+\.\d\*?", line)
+            rows[(parts[0], float(parts[1]))] = (int(parts[2]), *cells)
+    return rows
+
+
+def test_table_mean_std_best_mark_and_largest_k(tmp_path):
+    text = report(write_sweep(tmp_path))
+    header = text.splitlines()[0].split()
+    assert header == ["algo", "gamma", "seeds", "pass@1", "pass@4"]  # the largest k of the runs
+    rows = table_rows(text)
+    assert rows == {
+        ("cispo", 0.0): (2, "20.0 +-  0.0", "80.0 +- 14.1*"),
+        ("cispo", 1.0): (2, "40.0 +- 14.1", "70.0 +-  0.0"),
+        ("grpo", 0.0): (2, "20.0 +- 14.1", "60.0 +- 14.1"),
+        ("grpo", 1.0): (2, "50.0 +- 14.1*", "60.0 +-  0.0"),
+    }
+    assert "8 completed runs, 0 failed" in text and "FAILED" not in text
+
+
+def test_report_md_and_png(tmp_path):
+    write_sweep(tmp_path)
+    report(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| algo | gamma | seeds | pass@1 | pass@4 |" in md
+    assert "| grpo | 1 | 2 | 50.0 +- 14.1* | 60.0 +-  0.0 |" in md
+    assert "| cispo | 0 | 2 | 20.0 +-  0.0 | 80.0 +- 14.1* |" in md
+    assert "mean +- std over seeds" in md and "![pass@k curves](report.png)" in md
+    png = (tmp_path / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_out_dir(tmp_path):
+    write_sweep(tmp_path / "sweep")
+    report(tmp_path / "sweep", tmp_path / "elsewhere")
+    assert (tmp_path / "elsewhere" / "report.md").is_file() and (tmp_path / "elsewhere" / "report.png").is_file()
+    assert not (tmp_path / "sweep" / "report.md").exists()
+
+
+def test_ties_are_all_marked(tmp_path):
+    for num, algo in enumerate(["grpo", "cispo"]):
+        write_run(tmp_path / str(num), algo, 0.0, 0, 0.0, 0.0, job_num=num)
+    rows = table_rows(report(tmp_path))
+    assert all(cell.endswith("*") for row in rows.values() for cell in row[1:])
+
+
+def test_unfinished_run_is_listed_as_failed_with_its_log(tmp_path):
+    write_sweep(tmp_path)
+    broken = write_run(tmp_path / "8_algo=dapo", "dapo", 0.0, 0, 0, 0, job_num=8, steps_done=1)
+    text = report(tmp_path)
+    assert ("dapo", 0.0) not in table_rows(text)
+    assert "8 completed runs, 1 failed" in text
+    failed = [line for line in text.splitlines() if line.startswith("FAILED")]
+    assert failed == [f"FAILED: {broken} (algo=dapo, gamma=0, seed=0); log: {broken / 'run.log'}"]
+    assert f"- FAILED: {broken}" in (tmp_path / "report.md").read_text()
+
+
+def test_job_without_run_dir_is_named_from_multirun_yaml(tmp_path):
+    """A job that died before Hydra made its run directory: the job list in multirun.yaml names it, and
+    submitit's folder (one task per job, in order) gives its Slurm log."""
+    (tmp_path / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {
+        "sweeper": {"params": None},
+        "overrides": {"task": ["model=tiny_random", "algo=grpo,cispo", "focal.gamma=0,1"]}}}))
+    jobs = [("grpo", 0.0), ("grpo", 1.0), ("cispo", 0.0), ("cispo", 1.0)]
+    for num, (algo, gamma) in enumerate(jobs):
+        task = tmp_path / ".submitit" / f"7_{num}"
+        task.mkdir(parents=True)
+        (task / f"7_{num}_0_log.err").write_text("Traceback ...\n")
+        if num != 3:
+            write_run(tmp_path / f"{num}_run", algo, gamma, 0, 0.5, 0.6, job_num=num, job_id=f"7_{num}")
+    text = report(tmp_path)
+    assert len(table_rows(text)) == 3 and "3 completed runs, 1 failed" in text
+    failed = [line for line in text.splitlines() if line.startswith("FAILED")]
+    assert failed == [f"FAILED: sweep job #3 [model=tiny_random algo=cispo focal.gamma=1] (Slurm job 7_3) left no run "
+                      f"directory; log: {tmp_path / '.submitit' / '7_3' / '7_3_0_log.err'}"]
+    # a run's log is its Slurm task's stderr when there is one
+    (tmp_path / "0_run" / "metrics.jsonl").write_text('{"step": 0, "eval/pass@1": 0.1}\n')
+    assert f"log: {tmp_path / '.submitit' / '7_0' / '7_0_0_log.err'}" in report(tmp_path)
+
+
+def test_mixed_configs_exit_2_naming_the_key(tmp_path, capsys):
+    write_sweep(tmp_path / "a")
+    write_sweep(tmp_path / "b", lr=3e-5)
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "mix different configurations" in err and "trainer.lr: 1e-05, 3e-05" in err
+    assert not (tmp_path / "report.md").exists()
+
+
+@pytest.mark.parametrize("what", ["empty", "missing", "only_failed"])
+def test_no_runs_exit_2(tmp_path, capsys, what):
+    target = tmp_path
+    if what == "missing":
+        target = tmp_path / "nope"
+    elif what == "only_failed":
+        write_run(tmp_path / "0", "grpo", 0.0, 0, 0, 0, steps_done=0)
+    assert main([str(target)]) == 2
+    err = capsys.readouterr().err
+    expected = {"empty": "no runs found under", "missing": "is not a directory",
+                "only_failed": "every run of this sweep failed"}[what]
+    assert err.startswith("error: ") and expected in err
+
+
+def test_cli_exit_code_and_no_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "fgrpo.report", str(tmp_path)], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and "no runs found" in result.stderr and "Traceback" not in result.stderr
+    write_sweep(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "fgrpo.report", str(tmp_path)], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "pass@4" in result.stdout and f"wrote {tmp_path / 'report.md'}" in result.stdout
