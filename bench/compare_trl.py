@@ -1,0 +1,547 @@
+"""Side-by-side benchmark: fgrpo's training loop against TRL's GRPOTrainer on the same work.
+
+One invocation runs, for each workload ``PxGxT`` (prompts per step x samples per prompt x new tokens):
+
+1. **ours**: ``fgrpo.train.train`` (vLLM sampler, bf16-autocast learner, DAPO token-mean loss), and
+2. **trl**: ``trl.GRPOTrainer`` (transformers ``generate``, fp32, ``loss_type="dapo"``, beta 0),
+
+each in its own subprocess (vLLM changes process-wide torch state), on the same model folder, the
+same arithmetic prompts in the same order, the same learning rate and clip range. The first step of
+each is a warm-up and is dropped; the table shows medians of the rest, the phase split, tokens per
+second, peak RSS, and each phase's share of the machine's measured matmul FLOP/s.
+
+    python bench/compare_trl.py                                  # both workloads, bundled SmolLM2-135M
+    python bench/compare_trl.py --workload 4x8x64 --steps 5 --out results.md
+    python bench/compare_trl.py --model tiny_random --workload 2x2x8 --steps 2   # smoke run
+
+TRL comes from the ``bench`` extra: ``pip install 'fgrpo[bench]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_WORKLOADS = ("4x8x64", "8x8x128")
+SYSTEMS = ("ours", "trl")
+TRL_MISSING = "TRL is not installed: pip install 'fgrpo[bench]' (or --only ours)"
+
+
+# --------------------------------------------------------------------------------------------------
+# shared helpers (parent and children)
+
+
+def parse_workload(text: str) -> tuple[int, int, int]:
+    """``"4x8x64"`` -> ``(prompts, group_size, max_new_tokens)``."""
+    try:
+        p, g, t = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"workload {text!r}: expected PxGxT, e.g. 4x8x64") from None
+    if p < 1 or g < 2 or t < 1:
+        raise argparse.ArgumentTypeError(f"workload {text!r}: need P >= 1, G >= 2, T >= 1")
+    return p, g, t
+
+
+def trl_available() -> bool:
+    return importlib.util.find_spec("trl") is not None
+
+
+def compose_config(model: str, p: int, g: int, t: int, steps: int, lr: float, seed: int = 0):
+    """fgrpo's config for this workload, composed from conf/ as ``python run.py`` would."""
+    from hydra import compose, initialize_config_dir
+
+    from fgrpo.config import register_configs
+
+    register_configs()
+    overrides = [
+        f"model={model}", "algo=dapo", f"algo.group_size={g}", f"trainer.prompts_per_step={p}",
+        f"trainer.steps={steps}", f"trainer.lr={lr}", "trainer.warmup_steps=0", f"sampler.max_new_tokens={t}",
+        "sampler.temperature=1.0", "sampler.top_p=1.0", "logger=none", "eval.max_problems=1", "eval.n_samples=1",
+        "eval.every=0", f"seed={seed}",
+    ]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def param_counts(folder) -> dict[str, int]:
+    """Parameters in the transformer body (matmuls per token) and in the LM head (vocab x hidden)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder)
+    h, layers, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
+    heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or h // heads
+    attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o, k, v
+    body = layers * (attn + 3 * h * inter)
+    return {"body": body, "head": cfg.vocab_size * h}
+
+
+def peak_rss_self_gib() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, kids) / 2**20  # ru_maxrss is KiB on Linux
+
+
+# --------------------------------------------------------------------------------------------------
+# child: matmul rate
+
+
+def child_matmul(threads: int) -> dict:
+    """Best-of-N torch.matmul rate for 2048^3 in fp32 and bf16 on ``threads`` threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    n, reps = 2048, 6
+    out = {"threads": threads, "size": n}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        torch.matmul(a, b)  # warm-up (packing, thread pool)
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            torch.matmul(a, b)
+            best = min(best, time.perf_counter() - start)
+        out[f"{name}_flops"] = 2 * n**3 / best
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# child: ours
+
+
+def child_ours(spec: dict) -> dict:
+    """Run fgrpo.train.train and return per-step perf numbers, with verification timed separately."""
+    import fgrpo.train as loop
+    from fgrpo.tracking import read_metrics
+
+    p, g, t = spec["workload"]
+    cfg = compose_config(spec["model"], p, g, t, spec["steps"], spec["lr"])
+    folder = loop.resolve_model_folder(cfg.model)
+
+    # time the verifier outside evaluation, and cut it per step at each learner call
+    verify_now = [0.0]
+    verify_steps: list[float] = []
+    in_eval = [False]
+    make_verifier, learn, timed_eval = loop.make_verifier, loop._learn, loop._timed_eval
+
+    def timed_make_verifier(kind, **kwargs):
+        verify = make_verifier(kind, **kwargs)
+
+        def timed(completion, answer):
+            start = time.perf_counter()
+            try:
+                return verify(completion, answer)
+            finally:
+                if not in_eval[0]:
+                    verify_now[0] += time.perf_counter() - start
+
+        return timed
+
+    def counted_learn(*args, **kwargs):
+        verify_steps.append(verify_now[0])
+        verify_now[0] = 0.0
+        if spec.get("profile") and len(verify_steps) == 2:
+            return profiled(learn, spec["profile"], *args, **kwargs)
+        return learn(*args, **kwargs)
+
+    def quiet_eval(*args, **kwargs):
+        in_eval[0] = True
+        try:
+            return timed_eval(*args, **kwargs)
+        finally:
+            in_eval[0] = False
+
+    loop.make_verifier, loop._learn, loop._timed_eval = timed_make_verifier, counted_learn, quiet_eval
+    run_dir = Path(spec["workdir"]) / "ours"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    loop.train(cfg, run_dir, run_name="bench")
+
+    steps = []
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "perf/learn_time_s" in r]
+    for row, verify in zip(rows, verify_steps):
+        sample = row["perf/sample_time_s"]
+        generated = row["perf/sampler_tokens_per_s"] * sample
+        learner_tokens = row["perf/learner_tokens_per_s"] * row["perf/learn_time_s"]
+        steps.append({
+            "step_s": row["perf/step_time_s"],
+            "sample_s": sample - verify,
+            "score_s": verify,
+            "learn_s": row["perf/learn_time_s"],
+            "other_s": row["perf/sync_time_s"],
+            "generated_tokens": round(generated),
+            "prompt_tokens": round(learner_tokens - generated),
+        })
+    return {"steps": steps, "params": param_counts(folder), "peak_rss_child_gib": peak_rss_self_gib(),
+            "profiled_step": 1 if spec.get("profile") else None,
+            "sampler": f"vLLM {_version('vllm')} ({cfg.hardware.sampler_dtype})",
+            "learner": f"torch {cfg.hardware.learner_dtype} + {cfg.hardware.autocast_dtype} autocast"}
+
+
+def profiled(fn, out_path: str, *args, **kwargs):
+    """Run ``fn`` under torch.profiler; write the top ops by self CPU time to ``out_path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = fn(*args, **kwargs)
+    Path(out_path).write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# child: TRL
+
+
+def child_trl(spec: dict) -> dict:
+    """Run TRL's GRPOTrainer on the same prompts (same order) and return per-step timings."""
+    if not trl_available():
+        raise SystemExit(TRL_MISSING)
+    import numpy as np
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import fgrpo.train as loop
+    from fgrpo.data import build_prompt
+    from fgrpo.verifier import make_verifier
+
+    p, g, t = spec["workload"]
+    cfg = compose_config(spec["model"], p, g, t, spec["steps"], spec["lr"])
+    folder = loop.resolve_model_folder(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    data = loop.load_data(cfg.dataset)
+    # the same order as fgrpo's loop (its first epoch), served unshuffled
+    order = np.random.default_rng(cfg.seed).permutation(len(data.train))
+    problems = [data.train[i] for i in order]
+    dataset = Dataset.from_list([
+        {
+            "prompt": [{"role": "user", "content": build_prompt(q.question, instruction=cfg.model.instruction)}],
+            "answer": q.answer,
+            "n_prompt_tokens": len(loop.encode_prompt(tokenizer, cfg.model, q.question)),
+        }
+        for q in problems
+    ])
+    verify = make_verifier(cfg.dataset.verifier)
+    now = {"sample_s": 0.0, "score_s": 0.0, "prep_s": 0.0, "generated_tokens": 0, "prompt_tokens": 0}
+
+    def numeric_reward(completions, answer, completion_ids, n_prompt_tokens, **_):
+        start = time.perf_counter()
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        rewards = [float(verify(text, ref)) for text, ref in zip(texts, answer)]
+        now["score_s"] += time.perf_counter() - start
+        now["generated_tokens"] += sum(len(ids) for ids in completion_ids)
+        now["prompt_tokens"] += sum(n_prompt_tokens)
+        return rewards
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate(self, prompts):
+            start = time.perf_counter()
+            try:
+                return super()._generate(prompts)
+            finally:
+                now["sample_s"] += time.perf_counter() - start
+
+        def _generate_and_score_completions(self, inputs):
+            start = time.perf_counter()
+            try:
+                return super()._generate_and_score_completions(inputs)
+            finally:
+                now["prep_s"] += time.perf_counter() - start
+
+    steps: list[dict] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            for key in now:
+                now[key] = 0
+            now["start"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            total = time.perf_counter() - now.pop("start")
+            other = now["prep_s"] - now["sample_s"] - now["score_s"]  # tokenising, advantages, bookkeeping
+            steps.append({
+                "step_s": total, "sample_s": now["sample_s"], "score_s": now["score_s"],
+                "learn_s": total - now["prep_s"], "other_s": other,
+                "generated_tokens": now["generated_tokens"], "prompt_tokens": now["prompt_tokens"],
+            })
+
+    args = GRPOConfig(
+        output_dir=str(Path(spec["workdir"]) / "trl"),
+        per_device_train_batch_size=p * g, gradient_accumulation_steps=1, steps_per_generation=1,
+        num_generations=g, num_iterations=1, max_completion_length=t, temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=cfg.algo.clip_low, epsilon_high=cfg.algo.clip_high,
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=cfg.trainer.weight_decay, max_grad_norm=cfg.trainer.grad_clip, max_steps=spec["steps"],
+        use_vllm=False, bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False,
+        model_init_kwargs={"dtype": "float32"}, shuffle_dataset=False, seed=cfg.seed,
+        logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+        log_completions=False, dataloader_num_workers=0,
+    )
+    torch.manual_seed(cfg.seed)
+    trainer = TimedGRPOTrainer(model=str(folder), reward_funcs=numeric_reward, args=args, train_dataset=dataset,
+                               processing_class=tokenizer, callbacks=[StepTimer()])
+    trainer.train()
+    import trl
+
+    return {"steps": steps, "params": param_counts(folder), "peak_rss_child_gib": peak_rss_self_gib(),
+            "sampler": f"transformers {_version('transformers')} generate (fp32)",
+            "learner": f"trl {trl.__version__} GRPOTrainer (fp32)"}
+
+
+# --------------------------------------------------------------------------------------------------
+# parent: run children, watch memory, summarise
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in (package, f"{package}-cpu"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "-"
+
+
+def _tree_rss_bytes(root: int) -> int:
+    """RSS of ``root`` and all its descendants, from /proc."""
+    parents: dict[int, int] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            parents[int(entry)] = int(fields[1])
+            rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            continue
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo += [child for child, parent in parents.items() if parent == pid]
+    return total
+
+
+def run_child(mode: str, spec: dict, workdir: Path, log_path: Path, timeout_s: float) -> dict:
+    """Run this script as ``--_child mode``; return its JSON result plus the polled peak RSS of its tree."""
+    spec_path, result_path = workdir / f"{mode}-spec.json", workdir / f"{mode}-result.json"
+    spec_path.write_text(json.dumps({**spec, "workdir": str(workdir)}))
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "TOKENIZERS_PARALLELISM": "false"}
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    command = [sys.executable, str(Path(__file__).resolve()), "--_child", mode, "--_spec", str(spec_path),
+               "--_result", str(result_path)]
+    peak, start = 0, time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            peak = max(peak, _tree_rss_bytes(proc.pid))
+            if time.monotonic() - start > timeout_s:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"{mode} ran past {timeout_s:.0f} s; its log: {log_path}")
+            time.sleep(0.25)
+    if proc.returncode != 0 or not result_path.is_file():
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"{mode} failed (exit {proc.returncode}); last lines of {log_path}:\n{tail}")
+    result = json.loads(result_path.read_text())
+    result["peak_rss_gib"] = max(peak / 2**30, result.get("peak_rss_child_gib", 0.0))
+    return result
+
+
+def summarise(result: dict, p: int, g: int, matmul: dict) -> dict:
+    """Medians over the measured steps (the first is dropped), tokens/s and FLOP/s fractions."""
+    # drop the warm-up step, and the profiled step (the profiler slows it down)
+    drop = {0, result.get("profiled_step", -1)}
+    steps = [s for i, s in enumerate(result["steps"]) if i not in drop] or result["steps"][-1:]
+    med = {key: statistics.median(s[key] for s in steps) for key in steps[0]}
+    body, head = result["params"]["body"], result["params"]["head"]
+    # per step: prompt tokens count once per sample (what both samplers prefill without prefix sharing)
+    prompt_per_sample = med["prompt_tokens"] / (p * g)
+    gen = med["generated_tokens"]
+    learner_tokens = med["prompt_tokens"] + gen
+    sampler_flops = 2 * body * (med["prompt_tokens"] + gen) + 2 * head * (gen + p * g)
+    learner_flops = 6 * (body * learner_tokens + head * gen)
+    out = {
+        "step_s": med["step_s"], "sample_s": med["sample_s"], "score_s": med["score_s"], "learn_s": med["learn_s"],
+        "other_s": med["other_s"], "generated_tokens": gen, "prompt_tokens_per_sample": prompt_per_sample,
+        "sampler_tok_s": statistics.median(s["generated_tokens"] / max(s["sample_s"], 1e-9) for s in steps),
+        "learner_tok_s": statistics.median((s["generated_tokens"] + s["prompt_tokens"]) / max(s["learn_s"], 1e-9)
+                                           for s in steps),
+        "sampler_gflop_s": sampler_flops / max(med["sample_s"], 1e-9) / 1e9,
+        "learner_gflop_s": learner_flops / max(med["learn_s"], 1e-9) / 1e9,
+        "peak_rss_gib": result["peak_rss_gib"], "measured_steps": len(steps),
+    }
+    for phase in ("sampler", "learner"):
+        for dtype in ("bf16", "fp32"):
+            out[f"{phase}_pct_{dtype}"] = 100 * out[f"{phase}_gflop_s"] * 1e9 / matmul[f"{dtype}_flops"]
+    return out
+
+
+ROWS = [  # (key, label, format)
+    ("step_s", "seconds per step (median)", "{:.2f}"),
+    ("sample_s", "  sampling s", "{:.2f}"),
+    ("score_s", "  scoring s", "{:.3f}"),
+    ("learn_s", "  learning s", "{:.2f}"),
+    ("other_s", "  other s (ours: weight sync; TRL: batch prep)", "{:.2f}"),
+    ("generated_tokens", "generated tokens per step", "{:.0f}"),
+    ("prompt_tokens_per_sample", "prompt tokens per sample", "{:.1f}"),
+    ("sampler_tok_s", "sampler tokens/s (generated)", "{:.1f}"),
+    ("learner_tok_s", "learner tokens/s (prompt+completion)", "{:.1f}"),
+    ("sampler_gflop_s", "sampler GFLOP/s", "{:.1f}"),
+    ("sampler_pct_bf16", "sampler % of bf16 matmul", "{:.1f}"),
+    ("sampler_pct_fp32", "sampler % of fp32 matmul", "{:.1f}"),
+    ("learner_gflop_s", "learner GFLOP/s", "{:.1f}"),
+    ("learner_pct_bf16", "learner % of bf16 matmul", "{:.1f}"),
+    ("learner_pct_fp32", "learner % of fp32 matmul", "{:.1f}"),
+    ("peak_rss_gib", "peak RSS GiB", "{:.2f}"),
+]
+
+
+def markdown(report: dict) -> str:
+    mm = report["matmul"]
+    lines = [
+        f"# fgrpo vs TRL GRPOTrainer ({report['date']})",
+        "",
+        f"Machine: {report['machine']}. Versions: {report['versions']}.",
+        f"Model: {report['model']}; lr {report['lr']}; {report['steps']} steps per run, the first dropped.",
+        f"Matmul {mm['size']}^3 on {mm['threads']} threads: fp32 {mm['fp32_flops'] / 1e9:.0f} GFLOP/s, "
+        f"bf16 {mm['bf16_flops'] / 1e9:.0f} GFLOP/s (best of 6).",
+        "FLOPs: learner 6 x (body params x (prompt+completion tokens) + head params x completion tokens); "
+        "sampler 2 x (body params x (prompt tokens x G + generated) + head params x (generated + P x G)); "
+        "attention scores not counted.",
+        "",
+    ]
+    for name, wl in report["workloads"].items():
+        systems = [s for s in SYSTEMS if s in wl]
+        lines.append(f"## Workload {name} (prompts x samples x max new tokens)")
+        lines.append("")
+        for system in systems:
+            lines.append(f"- {system}: sampler {wl[system]['sampler']}; learner {wl[system]['learner']}")
+        lines.append("")
+        header = ["metric", *systems] + (["TRL / ours"] if len(systems) == 2 else [])
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "---|" * len(header))
+        for key, label, fmt in ROWS:
+            cells = [fmt.format(wl[s]["summary"][key]) for s in systems]
+            if len(systems) == 2:
+                ours = wl["ours"]["summary"][key]
+                cells.append(f"{wl['trl']['summary'][key] / ours:.2f}" if ours else "-")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()} {platform.release()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", action="append", type=parse_workload, metavar="PxGxT",
+                        help=f"prompts x samples x max new tokens; repeatable (default: {' and '.join(DEFAULT_WORKLOADS)})")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run; the first is dropped (default 5)")
+    parser.add_argument("--only", choices=SYSTEMS, help="run one system only")
+    parser.add_argument("--model", default="smollm2_135m",
+                        help="a conf/model name: smollm2_135m (the bundled model, default) or tiny_random")
+    parser.add_argument("--lr", type=float, default=1e-6, help="learning rate for both (default 1e-6, TRL's default)")
+    parser.add_argument("--out", type=Path, action="append", default=[], help="write the results: .json or .md (repeatable)")
+    parser.add_argument("--workdir", type=Path, help="keep run directories and child logs here (default: a temp dir)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile our second learner step with torch.profiler (top ops to the workdir); that "
+                             "step is left out of ours' statistics, so use --steps >= 3")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per child run (default 3600)")
+    parser.add_argument("--_child", help=argparse.SUPPRESS)
+    parser.add_argument("--_spec", help=argparse.SUPPRESS)
+    parser.add_argument("--_result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args._child:
+        spec = json.loads(Path(args._spec).read_text()) if args._spec else {}
+        result = {"ours": child_ours, "trl": child_trl}[args._child](spec) if args._child != "matmul" \
+            else child_matmul(spec.get("threads", 2))
+        Path(args._result).write_text(json.dumps(result))
+        return 0
+
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step is a warm-up and is dropped)")
+    for out in args.out:
+        if out.suffix not in (".json", ".md"):
+            parser.error(f"--out {out}: must end in .json or .md")
+    systems = [args.only] if args.only else list(SYSTEMS)
+    if "trl" in systems and not trl_available():
+        if args.only == "trl":
+            parser.error(TRL_MISSING)
+        print(f"note: {TRL_MISSING}; running ours only", file=sys.stderr)
+        systems = ["ours"]
+    workloads = args.workload or [parse_workload(w) for w in DEFAULT_WORKLOADS]
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fgrpo-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or os.cpu_count() or 1
+    print(f"measuring matmul FLOP/s on {threads} threads ...", file=sys.stderr)
+    matmul = run_child("matmul", {"threads": threads}, workdir, workdir / "matmul.log", args.timeout)
+    report = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine_line(),
+        "versions": ", ".join(f"{name} {_version(name)}" for name in ("torch", "vllm", "transformers", "trl"))
+                    + f", python {platform.python_version()}",
+        "model": args.model, "lr": args.lr, "steps": args.steps, "matmul": matmul, "workloads": {},
+    }
+    for p, g, t in workloads:
+        name = f"{p}x{g}x{t}"
+        entry: dict = {}
+        for system in systems:
+            spec = {"workload": [p, g, t], "steps": args.steps, "lr": args.lr, "model": args.model}
+            sub = workdir / name
+            sub.mkdir(exist_ok=True)
+            if args.profile and system == "ours":
+                spec["profile"] = str(sub / f"{system}-learner-profile.txt")
+            print(f"[{name}] running {system} ({args.steps} steps) ...", file=sys.stderr)
+            started = time.perf_counter()
+            result = run_child(system, spec, sub, sub / f"{system}.log", args.timeout)
+            result["summary"] = summarise(result, p, g, matmul)
+            result["wall_s"] = time.perf_counter() - started
+            entry[system] = result
+            print(f"[{name}] {system}: {result['summary']['step_s']:.2f} s/step, wall {result['wall_s']:.0f} s",
+                  file=sys.stderr)
+        if len(entry) == 2:
+            entry["ratio_trl_over_ours"] = {key: entry["trl"]["summary"][key] / entry["ours"]["summary"][key]
+                                            for key, _, _ in ROWS if entry["ours"]["summary"][key]}
+        report["workloads"][name] = entry
+
+    table = markdown(report)
+    print(table)
+    for out in args.out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) if out.suffix == ".json" else table + "\n")
+    print(f"run directories and logs: {workdir}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

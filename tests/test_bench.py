@@ -1,0 +1,87 @@
+"""bench/compare_trl.py: argument handling (fast) and one tiny end-to-end run (vLLM; TRL when installed)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fgrpo.samplers import vllm_available
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "bench" / "compare_trl.py"
+HAVE_TRL = importlib.util.find_spec("trl") is not None
+LABELS = [
+    "seconds per step (median)", "sampling s", "scoring s", "learning s", "generated tokens per step",
+    "sampler tokens/s (generated)", "learner tokens/s (prompt+completion)", "sampler % of bf16 matmul",
+    "learner % of bf16 matmul", "learner % of fp32 matmul", "peak RSS GiB",
+]
+POSITIVE = ["step_s", "sample_s", "learn_s", "generated_tokens", "sampler_tok_s", "learner_tok_s",
+            "sampler_pct_bf16", "learner_pct_bf16", "learner_pct_fp32", "peak_rss_gib"]
+
+
+def load_module():
+    spec = importlib.util.spec_from_file_location("compare_trl", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_workload():
+    bench = load_module()
+    assert bench.parse_workload("4x8x64") == (4, 8, 64)
+    for bad in ("4x8", "4x1x64", "axbxc"):
+        with pytest.raises(Exception, match="workload"):
+            bench.parse_workload(bad)
+
+
+def test_missing_trl_says_how_to_install(monkeypatch, capsys):
+    bench = load_module()
+    monkeypatch.setattr(bench, "trl_available", lambda: False)
+    with pytest.raises(SystemExit):
+        bench.main(["--only", "trl", "--model", "tiny_random", "--workload", "2x2x8", "--steps", "2"])
+    assert "pip install 'fgrpo[bench]'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    command = [sys.executable, str(SCRIPT), "--model", "tiny_random", "--workload", "2x2x8", "--steps", "2",
+               "--workdir", str(out / "work"), "--out", str(out / "result.json"), "--out", str(out / "result.md")]
+    if not HAVE_TRL:
+        command += ["--only", "ours"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return json.loads((out / "result.json").read_text()), (out / "result.md").read_text(), result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")
+def test_tiny_run_ours(tiny_run):
+    report, table, stdout = tiny_run
+    assert table.strip() in stdout  # the printed table is the written one
+    assert report["matmul"]["fp32_flops"] > 0 and report["matmul"]["bf16_flops"] > 0
+    ours = report["workloads"]["2x2x8"]["ours"]["summary"]
+    assert ours["measured_steps"] == 1
+    for key in POSITIVE:
+        assert ours[key] > 0, key
+    assert "## Workload 2x2x8" in table
+    for label in LABELS:
+        assert f"| {label} | " in table or f"|   {label} | " in table, label
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")
+@pytest.mark.skipif(not HAVE_TRL, reason="TRL not installed (pip install 'fgrpo[bench]'): TRL half skipped")
+def test_tiny_run_trl(tiny_run):
+    report, table, _ = tiny_run
+    workload = report["workloads"]["2x2x8"]
+    for key in POSITIVE:
+        assert workload["trl"]["summary"][key] > 0, key
+        assert workload["ratio_trl_over_ours"][key] > 0, key
+    # identical work: same prompts, same number of generated tokens (a random model never stops early)
+    assert workload["trl"]["summary"]["prompt_tokens_per_sample"] == workload["ours"]["summary"]["prompt_tokens_per_sample"]
+    assert workload["trl"]["summary"]["generated_tokens"] == workload["ours"]["summary"]["generated_tokens"] == 2 * 2 * 8
+    assert "| metric | ours | trl | TRL / ours |" in table
