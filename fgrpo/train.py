@@ -184,12 +184,17 @@ def train(
             cursor += 1
         return picked
 
+    verify_seconds = 0.0  # time inside the verifier, accumulated over a step's sampling rounds
+
     def sample_groups(problems: list[Problem], seed: int):
+        nonlocal verify_seconds
         groups = sampler.generate(
             [prompt_cache[p.id] for p in problems], group_size, max_new_tokens=cfg.sampler.max_new_tokens,
             temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p, seed=seed,
         )
+        verify_start = time.perf_counter()
         correct = torch.tensor([[verifier(c.text, p.answer) for c in g] for p, g in zip(problems, groups)])
+        verify_seconds += time.perf_counter() - verify_start
         return groups, correct
 
     from tqdm.auto import tqdm
@@ -200,6 +205,7 @@ def train(
         progress = tqdm(range(1, cfg.trainer.steps + 1), desc="training", unit="step", dynamic_ncols=True)
         for step in progress:
             step_start = time.perf_counter()
+            verify_seconds = 0.0
             problems = next_problems(cfg.trainer.prompts_per_step)
             groups, correct = sample_groups(problems, seed=cfg.seed * 100_003 + step)
             sample_time = time.perf_counter() - step_start
@@ -217,7 +223,8 @@ def train(
                     rounds += 1
                 problems, groups, correct = problems[: cfg.trainer.prompts_per_step], groups[: cfg.trainer.prompts_per_step], correct[: cfg.trainer.prompts_per_step]
                 sample_time = time.perf_counter() - step_start
-            verify_time = 0.0  # verification runs inside sample_groups; it is cheap next to sampling
+            # sample_time covers generation and verification; report them apart
+            verify_time, sample_time = verify_seconds, sample_time - verify_seconds
 
             step_metrics: dict[str, float | list[float]] = {}
             if len(problems) > 0:

@@ -26,7 +26,7 @@ STEP_KEYS = [
     "train/success_rate_hist", "train/focal_weight_mean", "train/focal_weight_min", "train/adv_abs_mean",
     "train/loss", "train/clip_frac_low", "train/clip_frac_high", "train/approx_kl", "train/entropy",
     "train/completion_len_mean", "train/completion_len_max", "train/truncated_frac",
-    "perf/sampler_tokens_per_s", "perf/learner_tokens_per_s", "perf/step_time_s",
+    "perf/sampler_tokens_per_s", "perf/learner_tokens_per_s", "perf/step_time_s", "perf/verify_time_s",
 ]
 
 
