@@ -277,9 +277,16 @@ def child_trl(spec: dict) -> dict:
                 "generated_tokens": now["generated_tokens"], "prompt_tokens": now["prompt_tokens"],
             })
 
+    # one generation of P x G samples and one optimizer step per batch; the backward runs in micro-batches of
+    # ours' hardware.micro_batch_size (gradient accumulation inside the step), unless --trl-micro-batch says otherwise
+    micro = min(spec.get("trl_micro_batch") or cfg.hardware.micro_batch_size, p * g)
+    if (p * g) % micro:
+        raise SystemExit(f"--trl-micro-batch {micro} must divide P x G = {p * g}")
+    accumulation = p * g // micro
     args = GRPOConfig(
         output_dir=str(Path(spec["workdir"]) / "trl"),
-        per_device_train_batch_size=p * g, gradient_accumulation_steps=1, steps_per_generation=1,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation,
         num_generations=g, num_iterations=1, max_completion_length=t, temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=cfg.algo.clip_low, epsilon_high=cfg.algo.clip_high,
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
@@ -297,7 +304,7 @@ def child_trl(spec: dict) -> dict:
 
     return {"steps": steps, "params": param_counts(folder), "peak_rss_child_gib": peak_rss_self_gib(),
             "sampler": f"transformers {_version('transformers')} generate (fp32)",
-            "learner": f"trl {trl.__version__} GRPOTrainer (fp32)"}
+            "learner": f"trl {trl.__version__} GRPOTrainer (fp32, micro-batch {micro} x {accumulation} accumulated)"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -427,12 +434,17 @@ def markdown(report: dict) -> str:
         "",
     ]
     for name, wl in report["workloads"].items():
-        systems = [s for s in SYSTEMS if s in wl]
         lines.append(f"## Workload {name} (prompts x samples x max new tokens)")
         lines.append("")
-        for system in systems:
-            lines.append(f"- {system}: sampler {wl[system]['sampler']}; learner {wl[system]['learner']}")
+        for system in [s for s in SYSTEMS if s in wl]:
+            if "error" in wl[system]:
+                lines.append(f"- {system}: FAILED: {wl[system]['error']}")
+            else:
+                lines.append(f"- {system}: sampler {wl[system]['sampler']}; learner {wl[system]['learner']}")
         lines.append("")
+        systems = [s for s in SYSTEMS if "summary" in wl.get(s, {})]
+        if not systems:
+            continue
         header = ["metric", *systems] + (["TRL / ours"] if len(systems) == 2 else [])
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "---|" * len(header))
@@ -474,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="profile our second learner step with torch.profiler (top ops to the workdir); that "
                              "step is left out of ours' statistics, so use --steps >= 3")
+    parser.add_argument("--trl-micro-batch", type=int,
+                        help="TRL's per-device batch (gradient accumulation up to P x G); default: ours' "
+                             "hardware.micro_batch_size (32)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per child run (default 3600)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_spec", help=argparse.SUPPRESS)
@@ -516,20 +531,26 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{p}x{g}x{t}"
         entry: dict = {}
         for system in systems:
-            spec = {"workload": [p, g, t], "steps": args.steps, "lr": args.lr, "model": args.model}
+            spec = {"workload": [p, g, t], "steps": args.steps, "lr": args.lr, "model": args.model,
+                    "trl_micro_batch": args.trl_micro_batch}
             sub = workdir / name
             sub.mkdir(exist_ok=True)
             if args.profile and system == "ours":
                 spec["profile"] = str(sub / f"{system}-learner-profile.txt")
             print(f"[{name}] running {system} ({args.steps} steps) ...", file=sys.stderr)
             started = time.perf_counter()
-            result = run_child(system, spec, sub, sub / f"{system}.log", args.timeout)
+            try:
+                result = run_child(system, spec, sub, sub / f"{system}.log", args.timeout)
+            except RuntimeError as exc:  # e.g. killed for memory: report it, go on with the rest
+                print(f"[{name}] {system} FAILED: {exc}", file=sys.stderr)
+                entry[system] = {"error": str(exc).splitlines()[0]}
+                continue
             result["summary"] = summarise(result, p, g, matmul)
             result["wall_s"] = time.perf_counter() - started
             entry[system] = result
             print(f"[{name}] {system}: {result['summary']['step_s']:.2f} s/step, wall {result['wall_s']:.0f} s",
                   file=sys.stderr)
-        if len(entry) == 2:
+        if all("summary" in entry.get(s, {}) for s in SYSTEMS):
             entry["ratio_trl_over_ours"] = {key: entry["trl"]["summary"][key] / entry["ours"]["summary"][key]
                                             for key, _, _ in ROWS if entry["ours"]["summary"][key]}
         report["workloads"][name] = entry
@@ -540,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) if out.suffix == ".json" else table + "\n")
     print(f"run directories and logs: {workdir}", file=sys.stderr)
-    return 0
+    failed = [f"{w}/{s}" for w, e in report["workloads"].items() for s in SYSTEMS if "error" in e.get(s, {})]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
