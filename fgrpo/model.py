@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
@@ -141,16 +140,6 @@ def random_folder(random_init: dict, seed: int = 0) -> Path:
     return _build_atomically(target, build)
 
 
-def _hub_reachable(timeout_s: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        return False
-    try:
-        with socket.create_connection(("huggingface.co", 443), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
 def hub_folder(model_id: str) -> Path:
     """A local folder as is; a hub id from the local HF cache, or downloaded when a network is there."""
     path = Path(model_id).expanduser()
@@ -162,11 +151,13 @@ def hub_folder(model_id: str) -> Path:
         raise ModelSourceError(f"model.path={model_id}: no such folder")
     from huggingface_hub import snapshot_download
 
+    from fgrpo.data import _hub_reachable, _offline_env_var  # one hub check for models and data sets
+
     try:
         return Path(snapshot_download(model_id, local_files_only=True))
     except Exception:
         pass
-    if not _hub_reachable():
+    if _offline_env_var() is not None or not _hub_reachable():
         raise ModelSourceError(
             f"model.path={model_id} is a hub id that is not in the local Hugging Face cache, and the hub cannot "
             f"be reached (no network). Download it on a machine with a network, then pass the local folder: "

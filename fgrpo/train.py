@@ -201,6 +201,7 @@ def train(
 
     with tracker:
         eval_metrics, curves["before training"] = _timed_eval(sampler, data, prompt_cache, verifier, cfg, eval_seed)
+        before = {k: v for k, v in eval_metrics.items() if k.startswith("eval/pass@") and "_ci_" not in k}
         tracker.log(eval_metrics, step=0)
         progress = tqdm(range(1, cfg.trainer.steps + 1), desc="training", unit="step", dynamic_ncols=True)
         for step in progress:
@@ -293,7 +294,6 @@ def train(
                     curves["after training"] = step_curves
 
         final = {k: v for k, v in eval_metrics.items() if not k.endswith(("_ci_low", "_ci_high"))}
-        before = {k: v for k, v in _first_eval(run_dir).items()}
         plot_path = run_dir / "pass_at_k.png"
         _plot(curves, plot_path, cfg)
         tracker.log_image("eval/pass_at_k_curve", plot_path, step=cfg.trainer.steps)
@@ -335,15 +335,6 @@ def _timed_eval(sampler, data, prompt_cache, verifier, cfg, seed):
         curves = [(k, metrics[f"eval/pass@{k}"], metrics[f"eval/pass@{k}_ci_low"], metrics[f"eval/pass@{k}_ci_high"])
                   for k, *_ in first]
     return metrics, curves
-
-
-def _first_eval(run_dir: Path) -> dict[str, float]:
-    from fgrpo.tracking import read_metrics
-
-    for row in read_metrics(Path(run_dir) / "metrics.jsonl"):
-        if row.get("step") == 0 and "eval/pass@1" in row:
-            return {k: v for k, v in row.items() if k.startswith("eval/pass@") and "_ci_" not in k}
-    return {}
 
 
 def _plot(curves, path: Path, cfg) -> None:
