@@ -90,7 +90,9 @@ class HardwareConfig:
     sampler_dtype: str = "bfloat16"
     micro_batch_size: int = 8
     threads: int = 0  # torch threads on CPU; 0 = all cores
-    sampler_kv_cache_gib: int = 2  # vLLM on CPU (whole GiB)
+    attention: str = "sdpa"  # the learner's attention kernel: sdpa | eager (faster for short sequences on CPU)
+    compile_learner: bool = False  # torch.compile the learner's decoder layers (needs a C++ compiler on CPU)
+    sampler_kv_cache_gib: float = 2.0  # vLLM on CPU: KV cache size
     sampler_gpu_memory_utilization: float = 0.35  # vLLM on GPU: the learner shares the card
     gradient_checkpointing: bool = False
     # what one sweep job asks Slurm for (conf/hydra/launcher/slurm.yaml reads these)
@@ -204,6 +206,9 @@ def validate(cfg: DictConfig | Config) -> None:
     need(0 < cfg.sampler.top_p <= 1, "sampler.top_p", cfg.sampler.top_p, "must be in (0, 1]")
     need(cfg.hardware.device in ("cpu", "cuda"), "hardware.device", cfg.hardware.device, "must be cpu or cuda")
     need(cfg.hardware.micro_batch_size >= 1, "hardware.micro_batch_size", cfg.hardware.micro_batch_size, "must be >= 1")
+    need(cfg.hardware.attention in ("sdpa", "eager"), "hardware.attention", cfg.hardware.attention, "must be sdpa or eager")
+    need(cfg.hardware.sampler_kv_cache_gib > 0, "hardware.sampler_kv_cache_gib", cfg.hardware.sampler_kv_cache_gib,
+         "must be > 0 (GiB of KV cache for vLLM on CPU, e.g. 0.5)")
     autocast = cfg.hardware.autocast_dtype
     need(autocast in (None, "bfloat16", "float16"), "hardware.autocast_dtype", autocast, "must be null, bfloat16 or float16")
     for key in ("learner_dtype", "sampler_dtype"):

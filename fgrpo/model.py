@@ -188,12 +188,13 @@ def load_tokenizer(folder: Path):
     return tokenizer
 
 
-def load_policy(folder: Path, *, dtype: str, device: str):
-    """The trainable model, in train mode, on ``device``."""
+def load_policy(folder: Path, *, dtype: str, device: str, attention: str = "sdpa"):
+    """The trainable model, in train mode, on ``device``, with ``attention`` (sdpa | eager) as its kernel."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, TORCH_DTYPES[dtype]))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, TORCH_DTYPES[dtype]),
+                                                 attn_implementation=attention)
     model.to(device)
     model.train()
     return model

@@ -62,12 +62,10 @@ class VLLMSampler:
     """vLLM's engine in this process; ``update_weights`` copies the learner's tensors into it."""
 
     def __init__(self, model_folder, *, dtype: str, max_model_len: int, seed: int, device: str,
-                 kv_cache_gib: int = 2, gpu_memory_utilization: float = 0.35, max_num_seqs: int = 256):
+                 kv_cache_gib: float = 2.0, gpu_memory_utilization: float = 0.35, max_num_seqs: int = 256):
         require_vllm()
         # the engine must run in-process to receive weights; set before vllm is imported
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if device == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
         from vllm import LLM
 
         kwargs = dict(
@@ -82,6 +80,8 @@ class VLLMSampler:
         )
         if device == "cuda":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        elif not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vLLM's own variable (whole GiB) wins when set
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         self.llm = LLM(**kwargs)
         self.dtype = getattr(torch, dtype)
         self.device = device

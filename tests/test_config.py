@@ -74,6 +74,8 @@ def test_unknown_group_option_lists_choices(compose):
         ("sampler.temperature=0", "sampler.temperature"),
         ("eval.n_samples=0", "eval.n_samples"),
         ("logger.mode=sometimes", "logger.mode"),
+        ("hardware.attention=flash", "hardware.attention='flash': must be sdpa or eager"),
+        ("hardware.sampler_kv_cache_gib=0", "hardware.sampler_kv_cache_gib=0.0: must be > 0"),
     ],
 )
 def test_range_checks_name_key_and_value(compose, override, message):
@@ -85,3 +87,9 @@ def test_several_problems_are_reported_together(compose):
     with pytest.raises(ConfigError) as info:
         validate(compose("focal.gamma=-1", "algo.group_size=1"))
     assert "focal.gamma" in str(info.value) and "algo.group_size" in str(info.value)
+
+
+def test_cpu_defaults_are_the_fast_path(compose):
+    hardware = compose().hardware
+    assert (hardware.attention, hardware.compile_learner, hardware.autocast_dtype) == ("eager", True, "bfloat16")
+    assert compose("hardware.sampler_kv_cache_gib=0.25").hardware.sampler_kv_cache_gib == 0.25  # fractions allowed

@@ -105,3 +105,95 @@ def test_off_policy_old_logprobs_are_recorded(tiny_model):
     fill_old_logprobs(tiny_model, seqs, pad_id=0, temperature=1.0, micro_batch_size=4)
     for seq in seqs:
         torch.testing.assert_close(seq.old_logp, reference_logprobs(tiny_model, seq).detach(), atol=1e-5, rtol=1e-5)
+
+
+# ---- the fast path (fused LM head, eager attention, compiled layers) against the straightforward one
+
+
+def update_grads(model, seqs, *, autocast_dtype=None, fused_head=True, algo_cfg=None):
+    """Loss and gradients of one on-policy update, with the LM-head path chosen by ``fused_head``."""
+    import fgrpo.learner as learner
+
+    original = learner.completion_logprobs
+    learner.completion_logprobs = lambda *a, **k: original(*a, **{**k, "fused_head": fused_head})
+    try:
+        model.zero_grad(set_to_none=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        metrics = update_policy(model, optimizer, seqs, algo_cfg=algo_cfg or algo("dapo"), pad_id=0, temperature=0.8,
+                                micro_batch_size=4, grad_clip=1e9, max_new_tokens=8, autocast_dtype=autocast_dtype)
+    finally:
+        learner.completion_logprobs = original
+    return metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same_update(a, b, *, loss_atol, grad_rel):
+    (metrics_a, grads_a), (metrics_b, grads_b) = a, b
+    assert metrics_a["loss"] == pytest.approx(metrics_b["loss"], abs=loss_atol)
+    assert metrics_a["entropy"] == pytest.approx(metrics_b["entropy"], rel=grad_rel)
+    for name in grads_b:
+        scale = grads_b[name].norm()
+        assert (grads_a[name] - grads_b[name]).norm() <= grad_rel * scale + 1e-9, name
+
+
+@pytest.mark.parametrize("autocast_dtype, loss_atol, grad_rel", [
+    (None, 1e-6, 1e-5),  # fp32: the same numbers up to summation order
+    (torch.bfloat16, 1e-3, 0.02),  # bf16 matmuls: both paths round, differently (8-bit mantissa)
+])
+def test_fused_head_gives_the_straightforward_loss_and_gradients(tiny_model, autocast_dtype, loss_atol, grad_rel):
+    model, seqs = copy.deepcopy(tiny_model), make_seqs(seed=5, count=9)
+    fused = update_grads(model, seqs, autocast_dtype=autocast_dtype, fused_head=True)
+    plain = update_grads(model, seqs, autocast_dtype=autocast_dtype, fused_head=False)
+    assert_same_update(fused, plain, loss_atol=loss_atol, grad_rel=grad_rel)
+
+
+def test_entropy_bonus_takes_the_path_with_an_entropy_gradient(tiny_model):
+    model, seqs = copy.deepcopy(tiny_model), make_seqs(seed=6)
+    with_bonus = OmegaConf.merge(algo("dapo"), {"entropy_coef": 0.5})
+    _, bonus = update_grads(model, seqs, algo_cfg=with_bonus)
+    _, no_bonus = update_grads(model, seqs)
+    assert any(not torch.allclose(bonus[n], no_bonus[n]) for n in bonus)
+
+
+def test_eager_attention_gives_the_sdpa_gradients(tiny_model):
+    seqs = make_seqs(seed=7, count=8)
+    sdpa = copy.deepcopy(tiny_model)
+    sdpa.set_attn_implementation("sdpa")
+    eager = copy.deepcopy(tiny_model)
+    eager.set_attn_implementation("eager")
+    assert_same_update(update_grads(eager, seqs), update_grads(sdpa, seqs), loss_atol=1e-6, grad_rel=1e-5)
+
+
+def test_compiled_layers_give_the_eager_gradients(tiny_model):
+    from fgrpo.learner import compile_decoder_layers
+
+    eager = copy.deepcopy(tiny_model)
+    eager.set_attn_implementation("eager")
+    compiled = copy.deepcopy(eager)
+    assert compile_decoder_layers(compiled) == 2
+    # two batches of different widths: the dynamic-shape graph serves both
+    for seed in (8, 9):
+        seqs = make_seqs(seed=seed, count=7 + seed % 2)
+        assert_same_update(update_grads(compiled, seqs), update_grads(eager, seqs), loss_atol=1e-5, grad_rel=1e-4)
+
+
+def test_missing_cpp_compiler_is_a_config_error_naming_the_fix():
+    from torch._inductor import config as inductor_config
+
+    from fgrpo.config import ConfigError
+    from fgrpo.learner import require_cpp_compiler
+
+    require_cpp_compiler()  # this machine has one
+    with inductor_config.patch({"cpp.cxx": ("no-such-c++-compiler",)}):
+        with pytest.raises(ConfigError, match="hardware.compile_learner=false"):
+            require_cpp_compiler()
+
+
+def test_keep_freed_memory_is_accepted_by_glibc():
+    import platform
+
+    from fgrpo.learner import keep_freed_memory
+
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert keep_freed_memory() is True
+    else:
+        assert keep_freed_memory() is False
