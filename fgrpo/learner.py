@@ -119,8 +119,8 @@ def keep_freed_memory() -> bool:
 
     Each step frees and re-allocates the same few GB (activations, LM-head chunks); by default glibc
     unmaps blocks over its mmap threshold and trims the heap, so the next step page-faults them in
-    again (measured: learner step 4.8 s -> 4.0 s at 4x8x64). The peak RSS is unchanged: it is the
-    peak either way. Returns False where glibc is not the allocator (macOS, musl).
+    again (learner alone at 4x8x64, measured with the equivalent MALLOC_*_ environment
+    variables: median step 4.8 s -> 4.0 s). Returns False where glibc is not the allocator (macOS, musl).
     """
     import ctypes
     import ctypes.util
