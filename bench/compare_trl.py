@@ -20,6 +20,7 @@ TRL comes from the ``bench`` extra: ``pip install 'fgrpo[bench]'``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -245,20 +246,22 @@ def child_trl(spec: dict) -> dict:
         now["prompt_tokens"] += sum(n_prompt_tokens)
         return rewards
 
+    @contextlib.contextmanager
+    def adding_time_to(key):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            now[key] += time.perf_counter() - start
+
     class TimedGRPOTrainer(GRPOTrainer):
         def _generate(self, prompts):
-            start = time.perf_counter()
-            try:
+            with adding_time_to("sample_s"):
                 return super()._generate(prompts)
-            finally:
-                now["sample_s"] += time.perf_counter() - start
 
         def _generate_and_score_completions(self, inputs):
-            start = time.perf_counter()
-            try:
+            with adding_time_to("prep_s"):
                 return super()._generate_and_score_completions(inputs)
-            finally:
-                now["prep_s"] += time.perf_counter() - start
 
     steps: list[dict] = []
 
