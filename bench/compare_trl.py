@@ -13,6 +13,7 @@ second, peak RSS, and each phase's share of the machine's measured matmul FLOP/s
     python bench/compare_trl.py                                  # both workloads, bundled SmolLM2-135M
     python bench/compare_trl.py --workload 4x8x64 --steps 5 --out results.md
     python bench/compare_trl.py --model tiny_random --workload 2x2x8 --steps 2   # smoke run
+    python bench/compare_trl.py --hardware gpu --sampler hf --model qwen2_5_1_5b_random   # one CUDA GPU
 
 TRL comes from the ``bench`` extra: ``pip install 'fgrpo[bench]'``.
 """
@@ -59,19 +60,21 @@ def trl_available() -> bool:
     return importlib.util.find_spec("trl") is not None
 
 
-def compose_config(model: str, p: int, g: int, t: int, steps: int, lr: float, seed: int = 0):
+def compose_config(spec: dict, seed: int = 0):
     """fgrpo's config for this workload, composed from conf/ as ``python run.py`` would."""
     from hydra import compose, initialize_config_dir
 
     from fgrpo.config import register_configs
 
     register_configs()
+    p, g, t = spec["workload"]
+    model, steps, lr = spec["model"], spec["steps"], spec["lr"]
     overrides = [
-        f"model={model}", "algo=dapo", f"algo.group_size={g}", f"trainer.prompts_per_step={p}",
+        f"model={model}", f"hardware={spec.get('hardware', 'cpu')}", "algo=dapo", f"algo.group_size={g}", f"trainer.prompts_per_step={p}",
         f"trainer.steps={steps}", f"trainer.lr={lr}", "trainer.warmup_steps=0", f"sampler.max_new_tokens={t}",
         "sampler.temperature=1.0", "sampler.top_p=1.0", "logger=none", "eval.max_problems=1", "eval.n_samples=1",
         "eval.every=0", f"seed={seed}",
-    ]
+    ] + ([f"sampler={spec['sampler']}"] if spec.get("sampler") else []) + list(spec.get("overrides", []))
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose("config", overrides=overrides)
 
@@ -99,23 +102,38 @@ def peak_rss_self_gib() -> float:
 # child: matmul rate
 
 
-def child_matmul(threads: int) -> dict:
-    """Best-of-N torch.matmul rate for 2048^3 in fp32 and bf16 on ``threads`` threads."""
+def child_matmul(threads: int, device: str = "cpu") -> dict:
+    """Best-of-N torch.matmul rate in fp32 and bf16: 2048^3 on ``threads`` CPU threads, 8192^3 on a GPU."""
     import torch
 
-    torch.set_num_threads(threads)
-    n, reps = 2048, 6
-    out = {"threads": threads, "size": n}
+    cuda = device == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32, not TF32
+    else:
+        torch.set_num_threads(threads)
+    n, reps = (8192, 10) if cuda else (2048, 6)
+    out = {"threads": threads, "size": n, "reps": reps, "device": torch.cuda.get_device_name() if cuda else "cpu"}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        torch.matmul(a, b)  # warm-up (packing, thread pool)
+        a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+        torch.matmul(a, b)  # warm-up (packing, thread pool, cuBLAS heuristics)
         best = float("inf")
         for _ in range(reps):
+            if cuda:
+                torch.cuda.synchronize()
             start = time.perf_counter()
             torch.matmul(a, b)
+            if cuda:
+                torch.cuda.synchronize()
             best = min(best, time.perf_counter() - start)
         out[f"{name}_flops"] = 2 * n**3 / best
     return out
+
+
+def peak_gpu_gib() -> float | None:
+    """The torch allocator's peak on the GPU (None on CPU runs)."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -128,7 +146,7 @@ def child_ours(spec: dict) -> dict:
     from fgrpo.tracking import read_metrics
 
     p, g, t = spec["workload"]
-    cfg = compose_config(spec["model"], p, g, t, spec["steps"], spec["lr"])
+    cfg = compose_config(spec)
     folder = loop.resolve_model_folder(cfg.model)
 
     # time the verifier outside evaluation, and cut it per step at each learner call
@@ -184,19 +202,27 @@ def child_ours(spec: dict) -> dict:
             "generated_tokens": round(generated),
             "prompt_tokens": round(learner_tokens - generated),
         })
+    hw = cfg.hardware
+    sampler = (f"vLLM {_version('vllm')} ({hw.sampler_dtype})" if cfg.sampler.name == "vllm"
+               else f"transformers {_version('transformers')} generate ({hw.learner_dtype} + {hw.autocast_dtype} autocast)")
     return {"steps": steps, "params": param_counts(folder), "peak_rss_child_gib": peak_rss_self_gib(),
-            "profiled_step": 1 if spec.get("profile") else None,
-            "sampler": f"vLLM {_version('vllm')} ({cfg.hardware.sampler_dtype})",
-            "learner": f"torch {cfg.hardware.learner_dtype} + {cfg.hardware.autocast_dtype} autocast"}
+            "peak_gpu_gib": peak_gpu_gib(), "profiled_step": 1 if spec.get("profile") else None, "sampler": sampler,
+            "learner": f"torch {hw.learner_dtype} + {hw.autocast_dtype} autocast on {hw.device}, micro-batch "
+                       f"{hw.micro_batch_size}" + (", gradient checkpointing" if hw.gradient_checkpointing else "")}
 
 
 def profiled(fn, out_path: str, *args, **kwargs):
-    """Run ``fn`` under torch.profiler; write the top ops by self CPU time to ``out_path``."""
+    """Run ``fn`` under torch.profiler; write the top ops by self CPU (or, on a GPU, CUDA) time to ``out_path``."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         result = fn(*args, **kwargs)
-    Path(out_path).write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    Path(out_path).write_text(prof.key_averages().table(sort_by=key, row_limit=25))
     return result
 
 
@@ -219,7 +245,7 @@ def child_trl(spec: dict) -> dict:
     from fgrpo.verifier import make_verifier
 
     p, g, t = spec["workload"]
-    cfg = compose_config(spec["model"], p, g, t, spec["steps"], spec["lr"])
+    cfg = compose_config(spec)
     folder = loop.resolve_model_folder(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     data = loop.load_data(cfg.dataset)
@@ -286,6 +312,8 @@ def child_trl(spec: dict) -> dict:
     if (p * g) % micro:
         raise SystemExit(f"--trl-micro-batch {micro} must divide P x G = {p * g}")
     accumulation = p * g // micro
+    on_gpu = cfg.hardware.device == "cuda"
+    precision = "fp32 + bf16 autocast" if on_gpu else "fp32"
     args = GRPOConfig(
         output_dir=str(Path(spec["workdir"]) / "trl"),
         per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
@@ -294,7 +322,9 @@ def child_trl(spec: dict) -> dict:
         beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=cfg.algo.clip_low, epsilon_high=cfg.algo.clip_high,
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=cfg.trainer.weight_decay, max_grad_norm=cfg.trainer.grad_clip, max_steps=spec["steps"],
-        use_vllm=False, bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False,
+        # on a GPU TRL's usual mixed precision (fp32 weights, bf16 autocast), as ours; on CPU fp32
+        use_vllm=False, bf16=on_gpu, fp16=False, use_cpu=not on_gpu,
+        gradient_checkpointing=bool(on_gpu and cfg.hardware.gradient_checkpointing),
         model_init_kwargs={"dtype": "float32"}, shuffle_dataset=False, seed=cfg.seed,
         logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
         log_completions=False, dataloader_num_workers=0,
@@ -306,8 +336,10 @@ def child_trl(spec: dict) -> dict:
     import trl
 
     return {"steps": steps, "params": param_counts(folder), "peak_rss_child_gib": peak_rss_self_gib(),
-            "sampler": f"transformers {_version('transformers')} generate (fp32)",
-            "learner": f"trl {trl.__version__} GRPOTrainer (fp32, micro-batch {micro} x {accumulation} accumulated)"}
+            "peak_gpu_gib": peak_gpu_gib(),
+            "sampler": f"transformers {_version('transformers')} generate ({precision})",
+            "learner": f"trl {trl.__version__} GRPOTrainer ({precision}, micro-batch {micro} x {accumulation} accumulated"
+                       + (", gradient checkpointing" if args.gradient_checkpointing else "") + ")"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -394,7 +426,8 @@ def summarise(result: dict, p: int, g: int, matmul: dict) -> dict:
                                            for s in steps),
         "sampler_gflop_s": sampler_flops / max(med["sample_s"], 1e-9) / 1e9,
         "learner_gflop_s": learner_flops / max(med["learn_s"], 1e-9) / 1e9,
-        "peak_rss_gib": result["peak_rss_gib"], "measured_steps": len(steps),
+        "peak_rss_gib": result["peak_rss_gib"], "peak_gpu_gib": result.get("peak_gpu_gib"),
+        "measured_steps": len(steps),
     }
     for phase in ("sampler", "learner"):
         for dtype in ("bf16", "fp32"):
@@ -419,6 +452,7 @@ ROWS = [  # (key, label, format)
     ("learner_pct_bf16", "learner % of bf16 matmul", "{:.1f}"),
     ("learner_pct_fp32", "learner % of fp32 matmul", "{:.1f}"),
     ("peak_rss_gib", "peak RSS GiB", "{:.2f}"),
+    ("peak_gpu_gib", "peak GPU memory GiB (torch allocator)", "{:.2f}"),
 ]
 
 
@@ -428,9 +462,13 @@ def markdown(report: dict) -> str:
         f"# fgrpo vs TRL GRPOTrainer ({report['date']})",
         "",
         f"Machine: {report['machine']}. Versions: {report['versions']}.",
-        f"Model: {report['model']}; lr {report['lr']}; {report['steps']} steps per run, the first dropped.",
-        f"Matmul {mm['size']}^3 on {mm['threads']} threads: fp32 {mm['fp32_flops'] / 1e9:.0f} GFLOP/s, "
-        f"bf16 {mm['bf16_flops'] / 1e9:.0f} GFLOP/s (best of 6).",
+        f"Model: {report['model']}; ours with hardware={report.get('hardware', 'cpu')}"
+        + (f" sampler={report['sampler']}" if report.get("sampler") else "")
+        + "".join(f" {o}" for o in report.get("overrides", []))
+        + f"; lr {report['lr']}; {report['steps']} steps per run, the first dropped.",
+        f"Matmul {mm['size']}^3 on " + (f"{mm['threads']} threads" if mm.get("device", "cpu") == "cpu" else mm["device"])
+        + f": fp32 {mm['fp32_flops'] / 1e9:.0f} GFLOP/s, "
+        f"bf16 {mm['bf16_flops'] / 1e9:.0f} GFLOP/s (best of {mm.get('reps', 6)}).",
         "FLOPs: learner 6 x (body params x (prompt+completion tokens) + head params x completion tokens); "
         "sampler 2 x (body params x (prompt tokens x G + generated) + head params x (generated + P x G)); "
         "attention scores not counted.",
@@ -452,6 +490,8 @@ def markdown(report: dict) -> str:
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "---|" * len(header))
         for key, label, fmt in ROWS:
+            if all(wl[s]["summary"].get(key) is None for s in systems):
+                continue  # e.g. GPU memory on a CPU run
             cells = [fmt.format(wl[s]["summary"][key]) for s in systems]
             if len(systems) == 2:
                 ours = wl["ours"]["summary"][key]
@@ -474,6 +514,15 @@ def machine_line() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()} {platform.release()}"
 
 
+def gpu_line() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -482,7 +531,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run; the first is dropped (default 5)")
     parser.add_argument("--only", choices=SYSTEMS, help="run one system only")
     parser.add_argument("--model", default="smollm2_135m",
-                        help="a conf/model name: smollm2_135m (the bundled model, default) or tiny_random")
+                        help="a conf/model name: smollm2_135m (the bundled model, default), tiny_random, or "
+                             "qwen2_5_1_5b_random (Qwen2.5-1.5B's shape, random weights; for a GPU)")
+    parser.add_argument("--hardware", choices=("cpu", "gpu"), default="cpu",
+                        help="conf/hardware for ours (TRL follows its device, micro-batch, precision); default cpu")
+    parser.add_argument("--sampler", choices=("vllm", "hf"),
+                        help="conf/sampler for ours (default: the config's, vllm); hf = transformers generate, as TRL")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra Hydra override for ours, e.g. hardware.micro_batch_size=16 (repeatable); TRL "
+                             "follows hardware.micro_batch_size and hardware.gradient_checkpointing")
     parser.add_argument("--lr", type=float, default=1e-6, help="learning rate for both (default 1e-6, TRL's default)")
     parser.add_argument("--out", type=Path, action="append", default=[], help="write the results: .json or .md (repeatable)")
     parser.add_argument("--workdir", type=Path, help="keep run directories and child logs here (default: a temp dir)")
@@ -501,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     if args._child:
         spec = json.loads(Path(args._spec).read_text()) if args._spec else {}
         result = {"ours": child_ours, "trl": child_trl}[args._child](spec) if args._child != "matmul" \
-            else child_matmul(spec.get("threads", 2))
+            else child_matmul(spec.get("threads", 2), spec.get("device", "cpu"))
         Path(args._result).write_text(json.dumps(result))
         return 0
 
@@ -521,11 +578,20 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
 
     threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or os.cpu_count() or 1
-    print(f"measuring matmul FLOP/s on {threads} threads ...", file=sys.stderr)
-    matmul = run_child("matmul", {"threads": threads}, workdir, workdir / "matmul.log", args.timeout)
+    device = "cuda" if args.hardware == "gpu" else "cpu"
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--hardware gpu: torch sees no CUDA device (use --hardware cpu)")
+    print(f"measuring matmul FLOP/s on {threads} threads ..." if device == "cpu" else "measuring GPU matmul FLOP/s ...",
+          file=sys.stderr)
+    matmul = run_child("matmul", {"threads": threads, "device": device}, workdir, workdir / "matmul.log", args.timeout)
+    gpu = gpu_line() if device == "cuda" else None
     report = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": machine_line(),
+        "machine": machine_line() + (f"; GPU {gpu}" if gpu else ""),
+        "hardware": args.hardware, "sampler": args.sampler, "overrides": args.overrides,
         "versions": ", ".join(f"{name} {_version(name)}" for name in ("torch", "vllm", "transformers", "trl"))
                     + f", python {platform.python_version()}",
         "model": args.model, "lr": args.lr, "steps": args.steps, "matmul": matmul, "workloads": {},
@@ -535,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         entry: dict = {}
         for system in systems:
             spec = {"workload": [p, g, t], "steps": args.steps, "lr": args.lr, "model": args.model,
+                    "hardware": args.hardware, "sampler": args.sampler, "overrides": args.overrides,
                     "trl_micro_batch": args.trl_micro_batch}
             sub = workdir / name
             sub.mkdir(exist_ok=True)

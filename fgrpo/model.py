@@ -1,4 +1,4 @@
-"""Where model weights come from: the bundled SmolLM2 GGUF, a small random Llama, or a hub id / folder.
+"""Where model weights come from: the bundled SmolLM2 GGUF, a random model of a given shape, or a hub id / folder.
 
 Every source ends as a local Hugging Face folder (config, safetensors, tokenizer) that both the
 learner and vLLM load. Nothing is downloaded unless the user names a hub id and has a network.
@@ -111,29 +111,36 @@ def bundled_folder() -> Path:
 
 
 def random_folder(random_init: dict, seed: int = 0) -> Path:
-    """A small Llama with random weights and SmolLM2's tokenizer, cached by its shape and seed."""
+    """A model with random weights and SmolLM2's tokenizer, cached by its shape and seed.
+
+    ``random_init`` holds config fields; ``model_type`` (default ``llama``) picks the architecture,
+    ``vocab_size`` defaults to the tokenizer's (a larger one, e.g. Qwen's, keeps the real LM-head cost).
+    """
     shape = dict(sorted(dict(random_init).items()))
-    key = hashlib.sha256(json.dumps({"shape": shape, "seed": seed}).encode()).hexdigest()[:12]
-    target = cache_root() / f"tiny-random-llama-{key}"
+    model_type = shape.pop("model_type", "llama")
+    key_fields = {"shape": shape, "seed": seed} | ({"model_type": model_type} if model_type != "llama" else {})
+    key = hashlib.sha256(json.dumps(key_fields).encode()).hexdigest()[:12]
+    name = "tiny-random-llama" if model_type == "llama" else f"random-{model_type}"
+    target = cache_root() / f"{name}-{key}"
     if _is_complete(target):
         return target
     tokenizer_source = bundled_folder()
 
     def build(tmp: Path) -> None:
         import torch
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-        config = LlamaConfig(
-            vocab_size=len(tokenizer),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            tie_word_embeddings=True,
-            **shape,
+        fields = {"vocab_size": len(tokenizer), "tie_word_embeddings": True} | shape
+        if fields["vocab_size"] < len(tokenizer):
+            raise ModelSourceError(f"model.random_init.vocab_size={fields['vocab_size']} is below the tokenizer's "
+                                   f"{len(tokenizer)} tokens: raise it or leave it out")
+        config = AutoConfig.for_model(
+            model_type, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, **fields,
         )
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 

@@ -157,10 +157,12 @@ def _vllm_wants_minus_one() -> bool:
 class HFSampler:
     """transformers ``generate`` on the learner's model itself: always in sync, nothing to push."""
 
-    def __init__(self, model, tokenizer, *, batch_size: int = 64):
+    def __init__(self, model, tokenizer, *, batch_size: int = 64, autocast_dtype: str | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        # the learner's mixed precision for decoding too (fp32 weights, bf16 matmuls); None: the weights' dtype
+        self.autocast_dtype = getattr(torch, autocast_dtype) if autocast_dtype else None
 
     @torch.no_grad()
     def generate(self, prompts, n, *, max_new_tokens, temperature, top_p, seed):
@@ -181,23 +183,29 @@ class HFSampler:
                 for row, prompt in enumerate(chunk):  # left padding: generation continues at the right
                     input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
                     attention_mask[row, width - len(prompt) :] = 1
-                out = self.model.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
-                    do_sample=True,
-                    temperature=temperature,
-                    top_p=top_p,
-                    top_k=0,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=pad_id,
-                    eos_token_id=eos_ids,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                )
-                new_tokens = out.sequences[:, width:].cpu()
-                logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, steps, vocab], raw
-                step_logp = torch.log_softmax(logits / temperature, dim=-1)
-                token_logp = step_logp.gather(-1, new_tokens[..., None]).squeeze(-1)
+                with torch.autocast(device.type, dtype=self.autocast_dtype or torch.float32,
+                                    enabled=self.autocast_dtype is not None):
+                    out = self.model.generate(
+                        input_ids=input_ids.to(device),
+                        attention_mask=attention_mask.to(device),
+                        do_sample=True,
+                        temperature=temperature,
+                        top_p=top_p,
+                        top_k=0,
+                        max_new_tokens=max_new_tokens,
+                        pad_token_id=pad_id,
+                        eos_token_id=eos_ids,
+                        output_logits=True,
+                        return_dict_in_generate=True,
+                    )
+                new_tokens = out.sequences[:, width:]
+                # one [B] log-prob per step on the device: only [B, steps] leaves it, not [B, steps, vocab]
+                token_logp = torch.stack([
+                    torch.log_softmax(step_logits.float() / temperature, dim=-1).gather(-1, new_tokens[:, i, None])[:, 0]
+                    for i, step_logits in enumerate(out.logits)
+                ], dim=1).cpu()
+                del out
+                new_tokens = new_tokens.cpu()
                 for row in range(len(chunk)):
                     tokens = new_tokens[row].tolist()
                     end = next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), None)

@@ -88,7 +88,7 @@ def make_sampler(cfg: DictConfig, folder: Path, policy, tokenizer) -> Sampler:
             device=cfg.hardware.device, kv_cache_gib=cfg.hardware.sampler_kv_cache_gib,
             gpu_memory_utilization=cfg.hardware.sampler_gpu_memory_utilization,
         )
-    return HFSampler(policy, tokenizer, batch_size=cfg.sampler.hf_batch_size)
+    return HFSampler(policy, tokenizer, batch_size=cfg.sampler.hf_batch_size, autocast_dtype=cfg.hardware.autocast_dtype)
 
 
 def evaluate(sampler: Sampler, data: Data, prompt_cache: dict, verifier, cfg: DictConfig, *, seed: int):

@@ -27,3 +27,16 @@ def compose():
             return hydra_compose("config", overrides=list(overrides), return_hydra_config=False)
 
     return _compose
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """A 2-layer Llama with a 97-token vocabulary, random weights, fp32 (tests deep-copy it before changing it)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    return LlamaForCausalLM(config).float()

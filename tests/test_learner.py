@@ -5,18 +5,8 @@ import copy
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from fgrpo.learner import Sequence, completion_logprobs, fill_old_logprobs, update_policy
-
-
-@pytest.fixture(scope="module")
-def tiny_model():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=True)
-    return LlamaForCausalLM(config).float()
 
 
 def make_seqs(seed=0, count=6):

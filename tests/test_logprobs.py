@@ -76,3 +76,11 @@ def test_shape_errors_name_the_contract(shapes, message):
     hidden, weight, targets = torch.randn(*shapes[0]), torch.randn(*shapes[1]), torch.zeros(shapes[2], dtype=torch.long)
     with pytest.raises(ValueError, match=message):
         token_logprobs(hidden, weight, targets)
+
+
+def test_default_chunk_rows_follow_the_device_budget():
+    from fgrpo.logprobs import CHUNK_BYTES, default_chunk_rows
+
+    assert default_chunk_rows(49152, "cpu") == 128  # SmolLM2's vocabulary: 24 MiB blocks on the CPU
+    assert default_chunk_rows(151936, "cuda") == CHUNK_BYTES["cuda"] // (4 * 151936) > 1000
+    assert default_chunk_rows(10**12, "cpu") == 1  # never zero rows
