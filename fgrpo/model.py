@@ -118,10 +118,8 @@ def random_folder(random_init: dict, seed: int = 0) -> Path:
     """
     shape = dict(sorted(dict(random_init).items()))
     model_type = shape.pop("model_type", "llama")
-    key_fields = {"shape": shape, "seed": seed} | ({"model_type": model_type} if model_type != "llama" else {})
-    key = hashlib.sha256(json.dumps(key_fields).encode()).hexdigest()[:12]
-    name = "tiny-random-llama" if model_type == "llama" else f"random-{model_type}"
-    target = cache_root() / f"{name}-{key}"
+    key = hashlib.sha256(json.dumps({"model_type": model_type, "shape": shape, "seed": seed}).encode()).hexdigest()[:12]
+    target = cache_root() / f"random-{model_type}-{key}"
     if _is_complete(target):
         return target
     tokenizer_source = bundled_folder()
