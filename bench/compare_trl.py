@@ -324,6 +324,7 @@ def child_trl(spec: dict) -> dict:
         weight_decay=cfg.trainer.weight_decay, max_grad_norm=cfg.trainer.grad_clip, max_steps=spec["steps"],
         # on a GPU TRL's usual mixed precision (fp32 weights, bf16 autocast), as ours; on CPU fp32
         use_vllm=False, bf16=on_gpu, fp16=False, use_cpu=not on_gpu,
+        # on CPU TRL runs without it (its faster setting; ours recomputes layers to save memory by default)
         gradient_checkpointing=bool(on_gpu and cfg.hardware.gradient_checkpointing),
         model_init_kwargs={"dtype": "float32"}, shuffle_dataset=False, seed=cfg.seed,
         logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
@@ -539,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="conf/sampler for ours (default: the config's, vllm); hf = transformers generate, as TRL")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra Hydra override for ours, e.g. hardware.micro_batch_size=16 (repeatable); TRL "
-                             "follows hardware.micro_batch_size and hardware.gradient_checkpointing")
+                             "follows hardware.micro_batch_size, and on a GPU hardware.gradient_checkpointing")
     parser.add_argument("--lr", type=float, default=1e-6, help="learning rate for both (default 1e-6, TRL's default)")
     parser.add_argument("--out", type=Path, action="append", default=[], help="write the results: .json or .md (repeatable)")
     parser.add_argument("--workdir", type=Path, help="keep run directories and child logs here (default: a temp dir)")

@@ -114,6 +114,18 @@ def require_cpp_compiler() -> None:
         ) from None
 
 
+def _glibc():
+    """glibc's C library, or None where it is not the allocator (macOS, musl)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Ask glibc to keep freed memory for reuse instead of handing it back to the OS.
 
@@ -121,18 +133,30 @@ def keep_freed_memory() -> bool:
     unmaps blocks over its mmap threshold and trims the heap, so the next step page-faults them in
     again (learner alone at 4x8x64, measured with the equivalent MALLOC_*_ environment
     variables: median step 4.8 s -> 4.0 s). Returns False where glibc is not the allocator (macOS, musl).
+    See :func:`release_freed_memory` for the other half.
     """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None:
         return False
     m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    return all(mallopt(option, value) == 1 for option, value in (
+    return all(libc.mallopt(option, value) == 1 for option, value in (
         (m_mmap_threshold, 1 << 30), (m_trim_threshold, 2**31 - 1), (m_top_pad, 64 << 20)))
+
+
+def release_freed_memory() -> bool:
+    """Hand the pages of freed blocks back to the OS once per step (glibc ``malloc_trim``).
+
+    With :func:`keep_freed_memory` alone, the sampler's and the learner's allocations interleave in
+    the heap and the holes between them do not fit the next step's tensors, so the heap grows every
+    step (default run, 30 steps: peak RSS 3.8 -> 7.5 GiB). Trimming once after each update keeps the
+    within-step reuse and stops most of that growth (14 steps: 5.6 -> 5.05 GiB, learner time unchanged
+    within noise). Returns False where glibc is not the allocator.
+    """
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 def compile_decoder_layers(model) -> int:

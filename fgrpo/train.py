@@ -24,7 +24,7 @@ from fgrpo.advantages import focal_weight, group_advantages, success_rate
 from fgrpo.config import ConfigError, to_container, validate
 from fgrpo.data import Problem, arithmetic_problems, build_prompt, load_problems
 from fgrpo.learner import (Sequence, compile_decoder_layers, fill_old_logprobs, keep_freed_memory,
-                           require_cpp_compiler, update_policy)
+                           release_freed_memory, require_cpp_compiler, update_policy)
 from fgrpo.metrics import pass_at_k_curve
 from fgrpo.model import load_policy, load_tokenizer, resolve_model_folder
 from fgrpo.samplers import HFSampler, Sampler, VLLMSampler, require_vllm
@@ -263,6 +263,8 @@ def train(
                 learn_time = time.perf_counter() - learn_start
                 sync_start = time.perf_counter()
                 sampler.update_weights(policy)
+                if cfg.hardware.device == "cpu":
+                    release_freed_memory()  # the step's freed activations and the push's copies
                 sync_time = time.perf_counter() - sync_start
 
                 rates = success_rate(correct)

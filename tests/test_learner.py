@@ -166,6 +166,31 @@ def test_compiled_layers_give_the_eager_gradients(tiny_model):
         assert_same_update(update_grads(compiled, seqs), update_grads(eager, seqs), loss_atol=1e-5, grad_rel=1e-4)
 
 
+@pytest.mark.parametrize("autocast_dtype, loss_atol, grad_rel", [
+    (None, 1e-5, 1e-4),
+    (torch.bfloat16, 1e-3, 0.02),
+])
+def test_checkpointed_compiled_layers_give_the_eager_gradients(tiny_model, autocast_dtype, loss_atol, grad_rel):
+    """The CPU default (hardware=cpu): compiled layers recomputed in the backward instead of kept."""
+    from fgrpo.learner import compile_decoder_layers
+
+    eager = copy.deepcopy(tiny_model).train()
+    eager.set_attn_implementation("eager")
+    checkpointed = copy.deepcopy(eager)
+    checkpointed.gradient_checkpointing_enable()
+    # each layer runs twice per micro-batch when it is recomputed: count it on an uncompiled copy (a pre-hook:
+    # the recompute stops early, before a post-hook would run)
+    calls = []
+    counted = copy.deepcopy(checkpointed)
+    counted.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    seqs = make_seqs(seed=10, count=8)  # two micro-batches of 4
+    update_grads(counted, seqs, autocast_dtype=autocast_dtype)
+    assert len(calls) == 4
+    assert compile_decoder_layers(checkpointed) == 2
+    assert_same_update(update_grads(checkpointed, seqs, autocast_dtype=autocast_dtype),
+                       update_grads(eager, seqs, autocast_dtype=autocast_dtype), loss_atol=loss_atol, grad_rel=grad_rel)
+
+
 def test_missing_cpp_compiler_is_a_config_error_naming_the_fix():
     from torch._inductor import config as inductor_config
 
@@ -178,12 +203,37 @@ def test_missing_cpp_compiler_is_a_config_error_naming_the_fix():
             require_cpp_compiler()
 
 
-def test_keep_freed_memory_is_accepted_by_glibc():
+GLIBC_MEMORY_PROBE = """
+import torch
+from fgrpo.learner import keep_freed_memory, release_freed_memory
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+assert keep_freed_memory()
+block = torch.ones(256 << 20, dtype=torch.uint8)  # under the 1 GiB mmap threshold: a heap block
+before = rss()
+del block
+kept = rss()
+assert release_freed_memory()
+print(before - kept, kept - rss())
+"""
+
+
+def test_freed_memory_is_kept_within_a_step_and_released_after_it():
+    """keep_freed_memory holds freed blocks (no page faults next time); release_freed_memory hands them back.
+
+    In a child process: both change process-wide malloc settings."""
     import platform
+    import subprocess
+    import sys
 
-    from fgrpo.learner import keep_freed_memory
+    from fgrpo.learner import keep_freed_memory, release_freed_memory
 
-    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-        assert keep_freed_memory() is True
-    else:
-        assert keep_freed_memory() is False
+    if not (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"):
+        assert keep_freed_memory() is False and release_freed_memory() is False
+        return
+    out = subprocess.run([sys.executable, "-c", GLIBC_MEMORY_PROBE], capture_output=True, text=True, check=True)
+    dropped_on_free, dropped_on_release = (int(x) for x in out.stdout.split())
+    assert dropped_on_free < 16 << 20  # freeing alone keeps the block's pages
+    assert dropped_on_release > 200 << 20  # the trim returns them
