@@ -149,8 +149,8 @@ def release_freed_memory() -> bool:
     With :func:`keep_freed_memory` alone, the sampler's and the learner's allocations interleave in
     the heap and the holes between them do not fit the next step's tensors, so the heap grows every
     step (default run, 30 steps: peak RSS 3.8 -> 7.5 GiB). Trimming once after each update keeps the
-    within-step reuse and stops most of that growth (14 steps: 5.6 -> 5.05 GiB, learner time unchanged
-    within noise). Returns False where glibc is not the allocator.
+    within-step reuse and stops most of that growth (14 steps: 5.6 -> 5.05 GiB; median learner step
+    5.5 -> 5.6 s, the pages fault in again). Returns False where glibc is not the allocator.
     """
     libc = _glibc()
     if libc is None:
