@@ -7,6 +7,7 @@ are right-padded per micro-batch; the LM head runs only on completion positions,
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -22,6 +23,11 @@ class Sequence:
     completion_ids: list[int]
     advantage: float = 0.0
     old_logp: torch.Tensor | None = None  # [len(completion_ids)], set when mini_batches > 1
+
+
+def mixed_precision(device_type: str, dtype: torch.dtype | None):
+    """Matmuls in ``dtype`` (e.g. bfloat16) over the weights' own dtype; a no-op context when ``dtype`` is None."""
+    return torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
 def _pad_micro_batch(seqs: list[Sequence], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,7 +72,7 @@ def completion_logprobs(
     targets = input_ids[:, 1:][completion_mask]
     head = model.get_output_embeddings()
     fused = fused_head and not (with_entropy and entropy_grad) and getattr(head, "bias", None) is None
-    with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+    with mixed_precision(device.type, autocast_dtype):
         hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         # only completion positions go through the LM head: [N, hidden] -> [N, vocab]
         selected_hidden = hidden[:, :-1][completion_mask]
@@ -114,8 +120,9 @@ def require_cpp_compiler() -> None:
         ) from None
 
 
+@functools.cache
 def _glibc():
-    """glibc's C library, or None where it is not the allocator (macOS, musl)."""
+    """glibc's C library, or None where it is not the allocator (macOS, musl); looked up once."""
     import ctypes
     import ctypes.util
 

@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from fgrpo.learner import mixed_precision
+
 log = logging.getLogger("fgrpo")
 
 
@@ -183,8 +185,7 @@ class HFSampler:
                 for row, prompt in enumerate(chunk):  # left padding: generation continues at the right
                     input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
                     attention_mask[row, width - len(prompt) :] = 1
-                with torch.autocast(device.type, dtype=self.autocast_dtype or torch.float32,
-                                    enabled=self.autocast_dtype is not None):
+                with mixed_precision(device.type, self.autocast_dtype):
                     out = self.model.generate(
                         input_ids=input_ids.to(device),
                         attention_mask=attention_mask.to(device),
