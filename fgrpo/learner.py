@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -164,6 +166,28 @@ def release_freed_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+def discard_pages(storage: torch.UntypedStorage) -> int:
+    """Hand the whole pages of a CPU tensor's storage back to the OS (Linux ``madvise(MADV_DONTNEED)``).
+
+    The storage stays allocated; its pages read as zeros when next touched. Only for memory whose
+    contents are no longer needed. Returns the bytes handed back (0 off Linux/glibc).
+    """
+    libc = _glibc()
+    if libc is None or not sys.platform.startswith("linux") or storage.device.type != "cpu":
+        return 0
+    import ctypes
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-storage.data_ptr() // page) * page  # whole pages inside the block: rounded in at both ends
+    end = (storage.data_ptr() + storage.nbytes()) // page * page
+    if end <= start:
+        return 0
+    madv_dontneed = 4
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), madv_dontneed) != 0:
+        return 0
+    return end - start
 
 
 def compile_decoder_layers(model) -> int:

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from fgrpo.learner import mixed_precision
+from fgrpo.learner import discard_pages, mixed_precision
 
 log = logging.getLogger("fgrpo")
 
@@ -36,6 +36,9 @@ class Sampler(Protocol):
 
     def update_weights(self, model: torch.nn.Module) -> None:
         """Make the next ``generate`` sample from ``model``'s current weights."""
+
+    def release_cache(self) -> int:
+        """Between sampling and learning: free what only sampling needs (bytes freed; 0 if nothing)."""
 
     def close(self) -> None: ...
 
@@ -122,6 +125,21 @@ class VLLMSampler:
             self.llm.apply_model(_repack_tied_lm_head)
         self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
 
+    def release_cache(self) -> int:
+        """Forget the prefix cache and hand the KV cache's pages back to the OS while the learner runs.
+
+        On CPU the KV cache is ordinary memory that stays resident after sampling (0.25 GiB by default)
+        though its contents are dead: the next weight push resets the prefix cache anyway. The pages
+        read as zeros when the next ``generate`` touches them; vLLM writes every position it reads
+        within a request. Returns the bytes released (0 on GPU, or if a request still holds blocks).
+        """
+        if self.device != "cpu" or not self.llm.reset_prefix_cache():
+            return 0
+        storages = {}
+        for worker_storages in self.llm.collective_rpc(_kv_cache_storages):
+            storages.update((s.data_ptr(), s) for s in worker_storages)
+        return sum(discard_pages(storage) for storage in storages.values())
+
     def close(self):
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
@@ -133,6 +151,11 @@ class VLLMSampler:
                 except Exception as exc:  # shutting down must not hide the run's own error
                     log.debug("vLLM shutdown: %s", exc)
             del llm
+
+
+def _kv_cache_storages(worker) -> list[torch.UntypedStorage]:
+    """Runs inside vLLM's (in-process) worker: the storages behind its per-layer KV cache views."""
+    return [kv.untyped_storage() for kv in worker.model_runner.kv_caches if isinstance(kv, torch.Tensor)]
 
 
 def _repack_tied_lm_head(model) -> None:
@@ -228,6 +251,9 @@ class HFSampler:
     def update_weights(self, model):
         if model is not self.model:
             self.model.load_state_dict(model.state_dict())
+
+    def release_cache(self) -> int:
+        return 0  # generate's KV cache is freed when generate returns
 
     def close(self):
         pass

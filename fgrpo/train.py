@@ -257,6 +257,8 @@ def train(
                     for j, c in enumerate(g)
                     if len(c.token_ids) > 0
                 ]
+                if cfg.hardware.device == "cpu":
+                    sampler.release_cache()  # the KV cache's pages, while the learner needs the memory
                 learn_start = time.perf_counter()
                 learn_metrics = _learn(policy, optimizer, seqs, cfg, tokenizer.pad_token_id, reference)
                 scheduler.step()
