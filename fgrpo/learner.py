@@ -190,19 +190,30 @@ def discard_pages(storage: torch.UntypedStorage) -> int:
     return end - start
 
 
-def compile_decoder_layers(model) -> int:
+def compile_decoder_layers(model, *, grad_only: bool = False) -> int:
     """``torch.compile`` each decoder layer, fusing its norms, rotary embedding, activation and casts.
 
     All layers run the same code, so they share one dynamic-shape graph (compiled on the first step,
     about 20 s on 2 cores). Returns how many layers were compiled (0: no ``layers`` list found).
-    Only for a policy that is not also the sampler: generation with a KV cache would recompile.
+    ``grad_only``: compiled only where autograd records (the learner's forward and its recompute);
+    without gradients the layers run eager, so a policy that is also the sampler (``sampler=hf``)
+    generates with its KV cache as before instead of recompiling for each cache length.
     """
     layers = getattr(model.base_model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         return 0
     for layer in layers:
-        layer.compile(dynamic=True)
+        if grad_only:
+            # nn.Module.__call__ runs _compiled_call_impl when it is set (what Module.compile sets)
+            compiled, eager = torch.compile(layer._call_impl, dynamic=True), layer._call_impl
+            layer._compiled_call_impl = functools.partial(_compiled_with_grad, compiled, eager)
+        else:
+            layer.compile(dynamic=True)
     return len(layers)
+
+
+def _compiled_with_grad(compiled, eager, *args, **kwargs):
+    return compiled(*args, **kwargs) if torch.is_grad_enabled() else eager(*args, **kwargs)
 
 
 def _micro_batches(seqs: list[Sequence], size: int) -> list[list[Sequence]]:

@@ -37,8 +37,9 @@ class Sampler(Protocol):
     def update_weights(self, model: torch.nn.Module) -> None:
         """Make the next ``generate`` sample from ``model``'s current weights."""
 
-    def release_cache(self) -> int:
-        """Between sampling and learning: free what only sampling needs (bytes freed; 0 if nothing)."""
+    def release_memory(self) -> int:
+        """Between sampling and learning: free what only sampling needs until the next
+        ``update_weights`` (bytes handed back, where known; 0 if nothing)."""
 
     def close(self) -> None: ...
 
@@ -91,9 +92,13 @@ class VLLMSampler:
         self.dtype = getattr(torch, dtype)
         self.device = device
         self.tokenizer = self.llm.get_tokenizer()
+        self.weights_released = False  # set by release_memory, cleared by update_weights
 
     def generate(self, prompts, n, *, max_new_tokens, temperature, top_p, seed):
         from vllm import SamplingParams, TokensPrompt
+
+        if self.weights_released:
+            raise RuntimeError("VLLMSampler.generate after release_memory: push the weights (update_weights) first")
 
         params = SamplingParams(
             n=n, temperature=temperature, top_p=top_p, top_k=-1 if _vllm_wants_minus_one() else 0,
@@ -124,20 +129,25 @@ class VLLMSampler:
         if tied and self.device == "cpu":
             self.llm.apply_model(_repack_tied_lm_head)
         self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+        self.weights_released = False
 
-    def release_cache(self) -> int:
-        """Forget the prefix cache and hand the KV cache's pages back to the OS while the learner runs.
+    def release_memory(self) -> int:
+        """While the learner runs, hand back the memory that only sampling needs (CPU only).
 
-        On CPU the KV cache is ordinary memory that stays resident after sampling (0.25 GiB by default)
-        though its contents are dead: the next weight push resets the prefix cache anyway. The pages
-        read as zeros when the next ``generate`` touches them; vLLM writes every position it reads
-        within a request. Returns the bytes released (0 on GPU, or if a request still holds blocks).
+        On CPU the engine's KV cache (0.25 GiB by default) and its packed bf16 weights (0.27 GiB for
+        SmolLM2-135M) stay resident after sampling though both are dead until the next push: the
+        push resets the prefix cache and rebuilds every packed weight. The KV cache's pages go back
+        to the OS (they read as zeros when touched again; vLLM writes every position it reads within
+        a request); the packed weights are dropped and the embedding's pages handed back. Until the
+        next ``update_weights``, ``generate`` refuses. Returns the bytes of pages handed back (the
+        packed weights are freed to the heap, not counted). 0 on GPU or if a request holds KV blocks.
         """
         if self.device != "cpu" or not self.llm.reset_prefix_cache():
             return 0
         storages = {}
-        for worker_storages in self.llm.collective_rpc(_kv_cache_storages):
+        for worker_storages in self.llm.collective_rpc(_released_cpu_storages):
             storages.update((s.data_ptr(), s) for s in worker_storages)
+        self.weights_released = True
         return sum(discard_pages(storage) for storage in storages.values())
 
     def close(self):
@@ -153,9 +163,23 @@ class VLLMSampler:
             del llm
 
 
-def _kv_cache_storages(worker) -> list[torch.UntypedStorage]:
-    """Runs inside vLLM's (in-process) worker: the storages behind its per-layer KV cache views."""
-    return [kv.untyped_storage() for kv in worker.model_runner.kv_caches if isinstance(kv, torch.Tensor)]
+def _released_cpu_storages(worker) -> list[torch.UntypedStorage]:
+    """Runs inside vLLM's (in-process) CPU worker: drops each layer's packed matmul weights (the next
+    reload packs new ones) and returns the storages whose pages may go: the KV cache and the
+    parameters the reload overwrites (the embedding, and the linear weights where not removed)."""
+    runner = worker.model_runner
+    storages = [kv.untyped_storage() for kv in runner.kv_caches if isinstance(kv, torch.Tensor)]
+    for module in runner.get_model().modules():
+        if hasattr(module, "cpu_linear"):
+            module.cpu_linear = _weights_released
+        for param in module.parameters(recurse=False):
+            if param.numel() >= 2**20:  # large weights only: small parameters and all buffers are kept
+                storages.append(param.untyped_storage())
+    return storages
+
+
+def _weights_released(*args, **kwargs):
+    raise RuntimeError("vLLM's weights were released for the learner; push new ones (update_weights) first")
 
 
 def _repack_tied_lm_head(model) -> None:
@@ -252,8 +276,8 @@ class HFSampler:
         if model is not self.model:
             self.model.load_state_dict(model.state_dict())
 
-    def release_cache(self) -> int:
-        return 0  # generate's KV cache is freed when generate returns
+    def release_memory(self) -> int:
+        return 0  # generate's KV cache is freed when generate returns; the weights are the learner's
 
     def close(self):
         pass

@@ -130,9 +130,7 @@ def train(
         require_vllm()
     if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("hardware=gpu (hardware.device=cuda) but torch sees no CUDA device: use hardware=cpu")
-    compile_learner = cfg.hardware.compile_learner and cfg.sampler.name != "hf"
-    if cfg.hardware.compile_learner and not compile_learner:
-        log.info("hardware.compile_learner skipped: sampler=hf generates with the policy, and a KV cache would recompile")
+    compile_learner = cfg.hardware.compile_learner
     if compile_learner and cfg.hardware.device == "cpu":
         require_cpp_compiler()
     folder = resolve_model_folder(cfg.model)
@@ -150,7 +148,8 @@ def train(
                          attention=cfg.hardware.attention)
     if cfg.hardware.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
-    if compile_learner and not compile_decoder_layers(policy):
+    # sampler=hf generates with the policy itself: compiled for the learner only (a KV cache would recompile)
+    if compile_learner and not compile_decoder_layers(policy, grad_only=cfg.sampler.name == "hf"):
         log.warning("hardware.compile_learner: %s has no decoder-layer list to compile; running eager", cfg.model.name)
     reference = None
     if cfg.algo.kl_coef > 0:
@@ -258,12 +257,14 @@ def train(
                     if len(c.token_ids) > 0
                 ]
                 if cfg.hardware.device == "cpu":
-                    sampler.release_cache()  # the KV cache's pages, while the learner needs the memory
+                    sampler.release_memory()  # KV cache and packed weights: dead until the push below
                 learn_start = time.perf_counter()
                 learn_metrics = _learn(policy, optimizer, seqs, cfg, tokenizer.pad_token_id, reference)
                 scheduler.step()
                 learn_time = time.perf_counter() - learn_start
                 sync_start = time.perf_counter()
+                # the step has used the gradients: free them (0.5 GiB for SmolLM2) before the push packs new weights
+                optimizer.zero_grad(set_to_none=True)
                 sampler.update_weights(policy)
                 if cfg.hardware.device == "cpu":
                     release_freed_memory()  # the step's freed activations and the push's copies

@@ -166,6 +166,31 @@ def test_compiled_layers_give_the_eager_gradients(tiny_model):
         assert_same_update(update_grads(compiled, seqs), update_grads(eager, seqs), loss_atol=1e-5, grad_rel=1e-4)
 
 
+def test_grad_only_compiled_layers_learn_compiled_and_generate_eager(tiny_model):
+    """sampler=hf: the policy generates too, so its layers are compiled for the learner only."""
+    from torch._dynamo.utils import counters
+
+    from fgrpo.learner import compile_decoder_layers
+
+    eager = copy.deepcopy(tiny_model)
+    eager.set_attn_implementation("eager")
+    compiled = copy.deepcopy(eager)
+    assert compile_decoder_layers(compiled, grad_only=True) == 2
+    torch._dynamo.reset()  # an earlier test's compiled layer graph would otherwise be reused, uncounted
+    compiled_frames = counters["frames"]["ok"]
+    seqs = make_seqs(seed=8, count=7)
+    assert_same_update(update_grads(compiled, seqs), update_grads(eager, seqs), loss_atol=1e-5, grad_rel=1e-4)
+    assert counters["frames"]["ok"] > compiled_frames, "the learner's forward did not run compiled"
+
+    compiled_frames = counters["frames"]["total"]
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        tokens = compiled.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        expected = eager.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert counters["frames"]["total"] == compiled_frames, "generation went through torch.compile"
+    assert torch.equal(tokens, expected)
+
+
 @pytest.mark.parametrize("autocast_dtype, loss_atol, grad_rel", [
     (None, 1e-5, 1e-4),
     (torch.bfloat16, 1e-3, 0.02),

@@ -110,19 +110,23 @@ def test_vllm_logprobs_match_learner_after_weight_update(dtype, tolerance):
         stale = gap()
         sampler.update_weights(policy)
         synced = gap()
-        # the KV cache's pages handed back between rounds: resident memory falls, and the next round's
-        # samples are still scored right (a stale or zeroed prefix would shift every log-prob)
+        # between rounds the KV cache's pages go back and the packed weights are dropped: resident memory
+        # falls, sampling refuses until the next push, and after it the samples are scored right (a
+        # zeroed prefix or a weight left zeroed would shift every log-prob)
         rss_before = _resident_bytes()
-        released = sampler.release_cache()
+        released = sampler.release_memory()
         rss_drop = rss_before - _resident_bytes()
+        with pytest.raises(RuntimeError, match="update_weights"):
+            sampler.generate(prompts, 1, max_new_tokens=2, temperature=1.0, top_p=1.0, seed=1)
+        sampler.update_weights(policy)
         after_release = gap()
     finally:
         sampler.close()
     assert synced < tolerance, f"vLLM ({dtype}) log-probs differ from the learner's by {synced} after the push"
     assert stale > 10 * tolerance, f"before the push the gap was only {stale}: the test would not notice a failed push"
     assert released > 0.9 * 2**30, f"released {released} bytes of a 1 GiB KV cache"
-    assert rss_drop > 0.5 * 2**30, f"resident memory fell by only {rss_drop / 2**20:.0f} MiB after releasing the KV cache"
-    assert after_release < tolerance, f"after releasing the KV cache vLLM's log-probs are off by {after_release}"
+    assert rss_drop > 0.5 * 2**30, f"resident memory fell by only {rss_drop / 2**20:.0f} MiB after the release"
+    assert after_release < tolerance, f"after the release and a push vLLM's log-probs are off by {after_release}"
 
 
 def _resident_bytes() -> int:
