@@ -62,7 +62,11 @@ def tiny_run(tmp_path_factory):
 def test_tiny_run_ours(tiny_run):
     report, table, stdout = tiny_run
     assert table.strip() in stdout  # the printed table is the written one
-    assert report["matmul"]["fp32_flops"] > 0 and report["matmul"]["bf16_flops"] > 0
+    matmul = report["matmul"]
+    assert matmul["fp32_flops"] > 0 and matmul["bf16_flops"] > 0
+    # measured before and after the runs; the phases are divided by the better reading
+    assert len(matmul["readings"]) == 2
+    assert matmul["bf16_flops"] == max(r["bf16_flops"] for r in matmul["readings"])
     ours = report["workloads"]["2x2x8"]["ours"]["summary"]
     assert ours["measured_steps"] == 1
     for key in POSITIVE:
