@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -172,10 +171,10 @@ def discard_pages(storage: torch.UntypedStorage) -> int:
     """Hand the whole pages of a CPU tensor's storage back to the OS (Linux ``madvise(MADV_DONTNEED)``).
 
     The storage stays allocated; its pages read as zeros when next touched. Only for memory whose
-    contents are no longer needed. Returns the bytes handed back (0 off Linux/glibc).
+    contents are no longer needed. Returns the bytes handed back (0 where glibc is not the C library).
     """
     libc = _glibc()
-    if libc is None or not sys.platform.startswith("linux") or storage.device.type != "cpu":
+    if libc is None or storage.device.type != "cpu":
         return 0
     import ctypes
 

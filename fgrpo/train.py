@@ -130,8 +130,7 @@ def train(
         require_vllm()
     if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("hardware=gpu (hardware.device=cuda) but torch sees no CUDA device: use hardware=cpu")
-    compile_learner = cfg.hardware.compile_learner
-    if compile_learner and cfg.hardware.device == "cpu":
+    if cfg.hardware.compile_learner and cfg.hardware.device == "cpu":
         require_cpp_compiler()
     folder = resolve_model_folder(cfg.model)
     if cfg.hardware.device == "cpu":
@@ -149,7 +148,7 @@ def train(
     if cfg.hardware.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     # sampler=hf generates with the policy itself: compiled for the learner only (a KV cache would recompile)
-    if compile_learner and not compile_decoder_layers(policy, grad_only=cfg.sampler.name == "hf"):
+    if cfg.hardware.compile_learner and not compile_decoder_layers(policy, grad_only=cfg.sampler.name == "hf"):
         log.warning("hardware.compile_learner: %s has no decoder-layer list to compile; running eager", cfg.model.name)
     reference = None
     if cfg.algo.kl_coef > 0:
@@ -256,8 +255,7 @@ def train(
                     for j, c in enumerate(g)
                     if len(c.token_ids) > 0
                 ]
-                if cfg.hardware.device == "cpu":
-                    sampler.release_memory()  # KV cache and packed weights: dead until the push below
+                sampler.release_memory()  # on CPU, vLLM's KV cache and packed weights: dead until the push below
                 learn_start = time.perf_counter()
                 learn_metrics = _learn(policy, optimizer, seqs, cfg, tokenizer.pad_token_id, reference)
                 scheduler.step()
