@@ -210,14 +210,17 @@ def child_ours(spec: dict) -> dict:
             "other_s": row["perf/sync_time_s"],
             "generated_tokens": round(generated),
             "prompt_tokens": round(learner_tokens - generated),
+            "padding_frac": row.get("perf/learner_padding_frac", 0.0),
         })
     hw = cfg.hardware
     sampler = (f"vLLM {_version('vllm')} ({hw.sampler_dtype})" if cfg.sampler.name == "vllm"
                else f"transformers {_version('transformers')} generate ({hw.learner_dtype} + {hw.autocast_dtype} autocast)")
     return {"steps": steps, "params": param_counts(folder), "peak_rss_child_gib": peak_rss_self_gib(),
             "peak_gpu_gib": peak_gpu_gib(), "profiled_step": 1 if spec.get("profile") else None, "sampler": sampler,
-            "learner": f"torch {hw.learner_dtype} + {hw.autocast_dtype} autocast on {hw.device}, micro-batch "
-                       f"{hw.micro_batch_size}" + (", gradient checkpointing" if hw.gradient_checkpointing else "")}
+            "learner": f"torch {hw.learner_dtype} + {hw.autocast_dtype} autocast on {hw.device}, "
+                       + (f"packed rows, micro-batches of at most {hw.micro_batch_tokens} token slots"
+                          if hw.get("micro_batch_tokens") else f"micro-batch {hw.micro_batch_size}")
+                       + (", gradient checkpointing" if hw.gradient_checkpointing else "")}
 
 
 def profiled(fn, out_path: str, *args, **kwargs):
@@ -438,6 +441,7 @@ def summarise(result: dict, p: int, g: int, matmul: dict) -> dict:
         "learner_gflop_s": learner_flops / max(med["learn_s"], 1e-9) / 1e9,
         "peak_rss_gib": result["peak_rss_gib"], "peak_gpu_gib": result.get("peak_gpu_gib"),
         "measured_steps": len(steps),
+        "learner_padding_pct": 100 * med["padding_frac"] if "padding_frac" in med else None,
     }
     for phase in ("sampler", "learner"):
         for dtype in ("bf16", "fp32"):
@@ -455,6 +459,7 @@ ROWS = [  # (key, label, format)
     ("prompt_tokens_per_sample", "prompt tokens per sample", "{:.1f}"),
     ("sampler_tok_s", "sampler tokens/s (generated)", "{:.1f}"),
     ("learner_tok_s", "learner tokens/s (prompt+completion)", "{:.1f}"),
+    ("learner_padding_pct", "learner padding, % of token slots", "{:.1f}"),
     ("sampler_gflop_s", "sampler GFLOP/s", "{:.1f}"),
     ("sampler_pct_bf16", "sampler % of bf16 matmul", "{:.1f}"),
     ("sampler_pct_fp32", "sampler % of fp32 matmul", "{:.1f}"),
@@ -505,10 +510,10 @@ def markdown(report: dict) -> str:
         for key, label, fmt in ROWS:
             if all(wl[s]["summary"].get(key) is None for s in systems):
                 continue  # e.g. GPU memory on a CPU run
-            cells = [fmt.format(wl[s]["summary"][key]) for s in systems]
+            cells = [fmt.format(wl[s]["summary"][key]) if wl[s]["summary"].get(key) is not None else "-" for s in systems]
             if len(systems) == 2:
-                ours = wl["ours"]["summary"][key]
-                cells.append(f"{wl['trl']['summary'][key] / ours:.2f}" if ours else "-")
+                ours, trl = wl["ours"]["summary"].get(key), wl["trl"]["summary"].get(key)
+                cells.append(f"{trl / ours:.2f}" if ours and trl is not None else "-")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -647,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
                 entry[system]["summary"] = summarise(entry[system], p, g, matmul)
         if all("summary" in entry.get(s, {}) for s in SYSTEMS):
             entry["ratio_trl_over_ours"] = {key: entry["trl"]["summary"][key] / entry["ours"]["summary"][key]
-                                            for key, _, _ in ROWS if entry["ours"]["summary"][key]}
+                                            for key, _, _ in ROWS if entry["ours"]["summary"].get(key)
+                                            and entry["trl"]["summary"].get(key) is not None}
 
     table = markdown(report)
     print(table)

@@ -88,7 +88,9 @@ class HardwareConfig:
     learner_dtype: str = "float32"  # the weights and the optimizer state
     autocast_dtype: Optional[str] = None  # matmuls of the learner's forward/backward in this dtype (null: off)
     sampler_dtype: str = "bfloat16"
-    micro_batch_size: int = 8
+    micro_batch_size: int = 8  # sequences per micro-batch, padded to the longest (when micro_batch_tokens is null)
+    # set: sequences packed several to a row, at most this many token slots (rows x widest row) per micro-batch
+    micro_batch_tokens: Optional[int] = None
     threads: int = 0  # torch threads on CPU; 0 = all cores
     attention: str = "sdpa"  # the learner's attention kernel: sdpa | eager (faster for short sequences on CPU)
     compile_learner: bool = False  # torch.compile the learner's decoder layers (needs a C++ compiler on CPU)
@@ -206,6 +208,8 @@ def validate(cfg: DictConfig | Config) -> None:
     need(0 < cfg.sampler.top_p <= 1, "sampler.top_p", cfg.sampler.top_p, "must be in (0, 1]")
     need(cfg.hardware.device in ("cpu", "cuda"), "hardware.device", cfg.hardware.device, "must be cpu or cuda")
     need(cfg.hardware.micro_batch_size >= 1, "hardware.micro_batch_size", cfg.hardware.micro_batch_size, "must be >= 1")
+    tokens = cfg.hardware.get("micro_batch_tokens")
+    need(tokens is None or tokens >= 1, "hardware.micro_batch_tokens", tokens, "must be >= 1, or null to pad each sequence")
     need(cfg.hardware.attention in ("sdpa", "eager"), "hardware.attention", cfg.hardware.attention, "must be sdpa or eager")
     need(cfg.hardware.sampler_kv_cache_gib > 0, "hardware.sampler_kv_cache_gib", cfg.hardware.sampler_kv_cache_gib,
          "must be > 0 (GiB of KV cache for vLLM on CPU, e.g. 0.5)")

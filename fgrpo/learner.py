@@ -1,8 +1,8 @@
 """The PyTorch learner: token log-probs of sampled completions, and one policy update per batch.
 
 A batch is a list of :class:`Sequence` (prompt tokens, completion tokens, one advantage). Sequences
-are right-padded per micro-batch; the LM head runs only on completion positions, so no
-``[B, L, vocab]`` logits tensor is built for prompt tokens.
+are packed several to a row (``hardware.micro_batch_tokens``) or right-padded one per row; the LM
+head runs only on completion positions, so no ``[B, L, vocab]`` logits tensor is built for prompt tokens.
 """
 
 from __future__ import annotations
@@ -31,19 +31,54 @@ def mixed_precision(device_type: str, dtype: torch.dtype | None):
     return torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
-def _pad_micro_batch(seqs: list[Sequence], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``input_ids [B, L]``, ``attention_mask [B, L]``, ``completion_mask [B, L-1]`` (1 where token t+1 is a completion token)."""
-    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
-    width = max(lengths)
-    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    completion_mask = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
-    for row, seq in enumerate(seqs):
-        tokens = seq.prompt_ids + seq.completion_ids
-        input_ids[row, : len(tokens)] = torch.tensor(tokens)
-        attention_mask[row, : len(tokens)] = 1
-        completion_mask[row, len(seq.prompt_ids) - 1 : len(tokens) - 1] = True
-    return input_ids.to(device), attention_mask.to(device), completion_mask.to(device)
+def _lay_out_rows(
+    seqs: list[Sequence], rows: list[list[int]], pad_id: int, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``input_ids [R, W]``, ``position_ids [R, W]`` and ``predict_at [N]`` for ``seqs`` laid out in ``rows``.
+
+    Each row holds the sequences ``rows[r]`` (indices into ``seqs``) one after the other, then padding;
+    positions restart at 0 for each sequence and for the padding. ``predict_at`` is the flat index
+    (``r * W + t``) of the hidden state that predicts each completion token, sequence by sequence in
+    ``seqs``' order, so N is the total completion length.
+    """
+    width = max(sum(len(seqs[i].prompt_ids) + len(seqs[i].completion_ids) for i in row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    predict_at: list[torch.Tensor | None] = [None] * len(seqs)
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            seq = seqs[i]
+            if not seq.prompt_ids:  # its first completion token would have no position predicting it
+                raise ValueError("a sequence needs at least one prompt token (e.g. BOS)")
+            length = len(seq.prompt_ids) + len(seq.completion_ids)
+            input_ids[r, start : start + length] = torch.tensor(seq.prompt_ids + seq.completion_ids)
+            position_ids[r, start : start + length] = torch.arange(length)
+            # the hidden state at t predicts token t + 1: the last prompt token predicts the first completion token
+            first = r * width + start + len(seq.prompt_ids) - 1
+            predict_at[i] = torch.arange(first, first + len(seq.completion_ids))
+            start += length
+        position_ids[r, start:] = torch.arange(width - start)
+    return input_ids.to(device), position_ids.to(device), torch.cat(predict_at).to(device)
+
+
+def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
+    """First-fit decreasing: indices of ``lengths`` grouped into rows of at most ``width`` tokens each.
+
+    A length over ``width`` gets a row of its own. Deterministic; rows in order of their first (longest) item.
+    """
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(width - lengths[i])
+    return rows
 
 
 def completion_logprobs(
@@ -56,6 +91,7 @@ def completion_logprobs(
     entropy_grad: bool = False,
     autocast_dtype: torch.dtype | None = None,
     fused_head: bool = True,
+    rows: list[list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Log-probs of each completion token under ``model`` (with grad if enabled).
 
@@ -67,16 +103,28 @@ def completion_logprobs(
     ``fused_head`` computes the LM head and log-softmax in chunks (fgrpo.logprobs.token_logprobs),
     without a ``[N, vocab]`` tensor in the graph; an entropy with a gradient (``entropy_grad``) takes
     the straightforward path, which is also the reference the fused one is tested against.
+
+    ``rows`` (indices into ``seqs``, e.g. from :func:`pack_rows`) packs several sequences into each
+    row: positions restart per sequence and transformers' packed-sequence mask keeps each sequence's
+    attention inside itself, so the result equals the padded layout's, without its padding. None: one
+    right-padded sequence per row.
     """
     device = next(model.parameters()).device
-    input_ids, attention_mask, completion_mask = _pad_micro_batch(seqs, pad_id, device)
-    targets = input_ids[:, 1:][completion_mask]
+    packed = rows is not None
+    input_ids, position_ids, predict_at = _lay_out_rows(seqs, rows if packed else [[i] for i in range(len(seqs))],
+                                                        pad_id, device)
+    targets = torch.tensor([t for s in seqs for t in s.completion_ids], dtype=torch.long, device=device)
+    if packed:  # no 2D mask: transformers then reads the sequence boundaries from the position ids
+        layout = dict(position_ids=position_ids)
+    else:
+        lengths = torch.tensor([len(s.prompt_ids) + len(s.completion_ids) for s in seqs], device=device)
+        layout = dict(attention_mask=(torch.arange(input_ids.shape[1], device=device)[None, :] < lengths[:, None]).long())
     head = model.get_output_embeddings()
     fused = fused_head and not (with_entropy and entropy_grad) and getattr(head, "bias", None) is None
     with mixed_precision(device.type, autocast_dtype):
-        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        hidden = model.base_model(input_ids=input_ids, use_cache=False, **layout).last_hidden_state
         # only completion positions go through the LM head: [N, hidden] -> [N, vocab]
-        selected_hidden = hidden[:, :-1][completion_mask]
+        selected_hidden = hidden.flatten(0, 1)[predict_at]
         if not fused:
             logits = head(selected_hidden)
     if fused:
@@ -215,25 +263,89 @@ def _compiled_with_grad(compiled, eager, *args, **kwargs):
     return compiled(*args, **kwargs) if torch.is_grad_enabled() else eager(*args, **kwargs)
 
 
-def _micro_batches(seqs: list[Sequence], size: int) -> list[list[Sequence]]:
-    # sort by length so each micro-batch pads to a similar width
-    ordered = sorted(seqs, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
-    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+@dataclass
+class MicroBatch:
+    seqs: list[Sequence]
+    rows: list[list[int]] | None  # packed rows (indices into seqs); None: one padded sequence per row
+    padded_tokens: int  # rows x width: what the forward and backward compute over
+
+
+def micro_batches(
+    seqs: list[Sequence], *, size: int, tokens: int | None = None, width_cost: float = 0.0
+) -> list[MicroBatch]:
+    """Split a step's sequences for gradient accumulation.
+
+    ``tokens`` set: each micro-batch holds at most ``tokens`` token slots (rows x its widest row; a
+    sequence longer than that gets a micro-batch of its own). Several layouts are tried and the one
+    with the least estimated work kept: one sequence per row, sorted by length (best when lengths
+    are even), and sequences packed several to a row (:func:`pack_rows`) in rows 1, 1.5 or 2 times as
+    wide as the longest sequence (wider rows pack better, as RL completions of mixed lengths need).
+    The work of a micro-batch is ``slots * (1 + width * width_cost)``: attention over a row costs in
+    proportion to its width (:func:`attention_width_cost`). None: ``size`` sequences per
+    micro-batch, sorted by length, one per row.
+    """
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
+    if tokens is None:
+        order = sorted(range(len(seqs)), key=lambda i: lengths[i])
+        chunks = [order[i : i + size] for i in range(0, len(order), size)]
+        return [MicroBatch([seqs[i] for i in chunk], None, len(chunk) * max(lengths[i] for i in chunk))
+                for chunk in chunks]
+    longest = max(lengths)
+    # wider rows only while one still fits the budget
+    widths = sorted({min(int(longest * scale), max(tokens, longest)) for scale in (1, 1.5, 2)})
+    layouts = [[[i] for i in range(len(seqs))]] + [pack_rows(lengths, width) for width in widths]
+    best = min((_fill_micro_batches(rows, lengths, tokens) for rows in layouts),
+               key=lambda groups: sum(slots * (1 + width * width_cost) for _, slots, width in groups))
+    out = []
+    for group, slots, _ in best:
+        order = [i for row in group for i in row]
+        local = {i: j for j, i in enumerate(order)}
+        out.append(MicroBatch([seqs[i] for i in order], [[local[i] for i in row] for row in group], slots))
+    return out
+
+
+def attention_width_cost(model) -> float:
+    """Attention's work per token slot and unit of row width, relative to the rest of a decoder layer.
+
+    Per token, a layer's matmuls take ``2 * P`` FLOPs (P: its parameters) and attention over a row of
+    width W ``4 * W * hidden`` (scores and weighted sum; the eager kernel computes the masked ones
+    too), so the ratio is ``W * 2 * hidden / P``. 0 where the model has no decoder-layer list.
+    """
+    layers = getattr(model.base_model, "layers", None)
+    hidden = getattr(model.config, "hidden_size", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers) or not hidden:
+        return 0.0
+    return 2 * hidden / sum(p.numel() for p in layers[0].parameters())
+
+
+def _fill_micro_batches(
+    rows: list[list[int]], lengths: list[int], tokens: int
+) -> list[tuple[list[list[int]], int, int]]:
+    """Rows, widest first, into micro-batches of at most ``tokens`` slots: ``[(rows, slots, width)]``."""
+    fills = [sum(lengths[i] for i in row) for row in rows]
+    groups: list[tuple[list[list[int]], int]] = []  # (rows, width: the fill of the first, widest, row)
+    for r in sorted(range(len(rows)), key=lambda r: -fills[r]):
+        if groups and (len(groups[-1][0]) + 1) * groups[-1][1] <= tokens:
+            groups[-1][0].append(rows[r])
+        else:
+            groups.append(([rows[r]], fills[r]))
+    return [(group, len(group) * width, width) for group, width in groups]
 
 
 @torch.no_grad()
 def fill_old_logprobs(
     model, seqs: list[Sequence], *, pad_id: int, temperature: float, micro_batch_size: int,
-    autocast_dtype: torch.dtype | None = None,
+    micro_batch_tokens: int | None = None, autocast_dtype: torch.dtype | None = None,
 ) -> None:
     """Record each sequence's log-probs under the current (sampling) policy, for off-policy mini-batches."""
     was_training = model.training
     model.eval()
-    for micro in _micro_batches(seqs, micro_batch_size):
+    width_cost = attention_width_cost(model)
+    for micro in micro_batches(seqs, size=micro_batch_size, tokens=micro_batch_tokens, width_cost=width_cost):
         logp, mask, _ = completion_logprobs(
-            model, micro, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype
+            model, micro.seqs, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype, rows=micro.rows
         )
-        for row, seq in enumerate(micro):
+        for row, seq in enumerate(micro.seqs):
             seq.old_logp = logp[row, : len(seq.completion_ids)].detach().clone()
     model.train(was_training)
 
@@ -249,6 +361,7 @@ def update_policy(
     micro_batch_size: int,
     grad_clip: float,
     max_new_tokens: int,
+    micro_batch_tokens: int | None = None,
     ref_model=None,
     autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
@@ -265,23 +378,27 @@ def update_policy(
     totals: dict[str, float] = {}
     ratio_max = 0.0
     loss_total = 0.0
-    for micro in _micro_batches(seqs, micro_batch_size):
+    padded_tokens = 0
+    width_cost = attention_width_cost(model)
+    for micro in micro_batches(seqs, size=micro_batch_size, tokens=micro_batch_tokens, width_cost=width_cost):
+        padded_tokens += micro.padded_tokens
         logp, mask, entropy = completion_logprobs(
-            model, micro, pad_id=pad_id, temperature=temperature, with_entropy=True,
-            entropy_grad=algo_cfg.entropy_coef > 0, autocast_dtype=autocast_dtype,
+            model, micro.seqs, pad_id=pad_id, temperature=temperature, with_entropy=True,
+            entropy_grad=algo_cfg.entropy_coef > 0, autocast_dtype=autocast_dtype, rows=micro.rows,
         )
-        if all(s.old_logp is not None for s in micro):
+        if all(s.old_logp is not None for s in micro.seqs):
             old_logp = torch.zeros_like(logp)
-            for row, seq in enumerate(micro):
+            for row, seq in enumerate(micro.seqs):
                 old_logp[row, : len(seq.completion_ids)] = seq.old_logp
         else:
             old_logp = logp.detach()
-        advantages = torch.tensor([s.advantage for s in micro], dtype=logp.dtype, device=logp.device)
+        advantages = torch.tensor([s.advantage for s in micro.seqs], dtype=logp.dtype, device=logp.device)
         ref_logp = None
         if algo_cfg.kl_coef > 0:
             with torch.no_grad():
                 ref_logp, _, _ = completion_logprobs(
-                    ref_model, micro, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype
+                    ref_model, micro.seqs, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype,
+                    rows=micro.rows,
                 )
         loss, metrics = policy_loss(
             algo_cfg.name,
@@ -316,5 +433,6 @@ def update_policy(
         raise FloatingPointError("the gradient norm is not finite; lower trainer.lr or check the rewards")
     optimizer.step()
     out = {key: value / max(num_tokens, 1.0) for key, value in totals.items()}
-    out.update(loss=loss_total, grad_norm=grad_norm, ratio_max=ratio_max)
+    real_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
+    out.update(loss=loss_total, grad_norm=grad_norm, ratio_max=ratio_max, padding_frac=1.0 - real_tokens / max(padded_tokens, 1))
     return out

@@ -6,7 +6,8 @@ tensor (and its softmax) alive until the backward: 300 MB in fp32 for 32 x 48 to
 vocabulary, plus several more passes over it for the max, exp, gather and the gradient.
 
 :func:`token_logprobs` computes the LM head in row chunks instead, keeps only the hidden states and
-one log-normaliser per row, and recomputes each chunk's logits in the backward. Its gradient is the
+one log-normaliser per row, and recomputes the logits in the backward, one vocabulary slice of all
+rows at a time (so each slice of the weight's gradient is written once). Its gradient is the
 exact one of ``log_softmax(h @ W.T / T)[target]``:
 
     d logp / d logits = (onehot(target) - softmax(logits)) / T
@@ -19,10 +20,9 @@ from __future__ import annotations
 
 import torch
 
-# bytes of one [chunk, vocab] fp32 logits block. CPU: 24 MiB (128 rows of a 49k vocabulary), cache-sized
-# and reused from the heap. GPU: 1 GiB, so each chunk's matmul fills the device and the LM-head weight
-# gradient (V x H, fp32) is read and written once per ~1.7k rows, not once per 128 (measured on an H100
-# with a 152k vocabulary: that accumulation dominated the backward at 128 rows)
+# bytes of one fp32 logits block: [rows, vocab] in the forward, [all rows, slice of the vocab] in the
+# backward. CPU: 24 MiB (128 rows of a 49k vocabulary), cache-sized and reused from the heap. GPU: 1 GiB,
+# so each block's matmul fills the device
 CHUNK_BYTES = {"cpu": 24 * 2**20, "cuda": 2**30}
 
 
@@ -39,15 +39,21 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
 
 
 class _TokenLogProbs(torch.autograd.Function):
+    """Forward in row chunks; backward in vocabulary slices, so each slice of the weight's gradient is
+    written once (row chunks would add a ``[V, H]`` product into it once per chunk: on the CPU that
+    accumulation and its dtype casts took 16% of a learner step). ``weight`` keeps its own dtype (fp32
+    under autocast) and is cast to ``hidden``'s slice by slice; its gradient comes back in its dtype."""
+
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_rows):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)
         log_norm = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        compute_weight = weight.to(hidden.dtype)  # once per call: [V, H] in the matmul dtype
         for start in range(0, n, chunk_rows):
             rows = slice(start, start + chunk_rows)
-            logits = _chunk_logits(hidden[rows], weight, temperature)
+            logits = _chunk_logits(hidden[rows], compute_weight, temperature)
             lse = torch.logsumexp(logits, dim=-1)
             log_norm[rows] = lse
             logp[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse
@@ -62,26 +68,31 @@ class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
         hidden, weight, targets, log_norm = ctx.saved_tensors
-        temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
+        temperature = ctx.temperature
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        for start in range(0, hidden.shape[0], chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            logits = _chunk_logits(hidden[rows], weight, temperature)
-            g = grad_logp[rows].float()
+        n, vocab = hidden.shape[0], weight.shape[0]
+        # as many vocabulary columns per slice as the forward's row chunk has elements: the same memory bound
+        cols = max(1, ctx.chunk_rows * vocab // max(n, 1))
+        g = grad_logp.float()
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
+        grad_weight = torch.empty_like(weight) if need_weight else None
+        for start in range(0, vocab, cols):
+            stop = min(start + cols, vocab)
+            compute_weight = weight[start:stop].to(hidden.dtype)
+            logits = _chunk_logits(hidden, compute_weight, temperature)  # [N, slice]
             # d logp / d logits = onehot - softmax; chain through the 1/T scaling of the logits
-            grad_logits = torch.exp(logits.sub_(log_norm[rows, None])).mul_(-g[:, None])
-            grad_logits.scatter_add_(-1, targets[rows, None], g[:, None])
+            grad_logits = torch.exp(logits.sub_(log_norm[:, None])).mul_(-g[:, None])
+            here = ((targets >= start) & (targets < stop)).nonzero().squeeze(-1)
+            grad_logits[here, targets[here] - start] += g[here]
             if temperature != 1.0:
                 grad_logits.div_(temperature)
             grad_logits = grad_logits.to(hidden.dtype)
             if need_hidden:
-                grad_hidden[rows] = grad_logits @ weight
+                grad_hidden += grad_logits @ compute_weight
             if need_weight:
-                grad_weight += grad_logits.t() @ hidden[rows]  # each chunk's product in the operands' dtype
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+                grad_weight[start:stop] = grad_logits.t() @ hidden  # each slice written once
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden.dtype)
         return grad_hidden, grad_weight, None, None, None
 
 
@@ -95,8 +106,8 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logp [N], entropy [N])`` of ``targets [N]`` under ``softmax(hidden [N, H] @ weight [V, H].T / T)``.
 
-    The matmuls run in ``hidden``'s dtype (``weight`` is cast to it once); the log-softmax, the
-    returned log-probs and entropies and the weight's gradient accumulation are fp32. ``logp`` has a
+    The matmuls run in ``hidden``'s dtype (``weight`` is cast to it inside); the log-softmax, the
+    returned log-probs and entropies and the hidden states' gradient sum are fp32. ``logp`` has a
     gradient with respect to ``hidden`` and ``weight``; ``entropy`` is a metric without one.
     ``chunk_rows`` defaults to :func:`default_chunk_rows` for the vocabulary and device.
     """
@@ -108,6 +119,4 @@ def token_logprobs(
         chunk_rows = default_chunk_rows(weight.shape[0], hidden.device)
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    if weight.dtype != hidden.dtype:
-        weight = weight.to(hidden.dtype)  # differentiable cast: the gradient flows back to the fp32 weight
     return _TokenLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk_rows))

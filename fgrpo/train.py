@@ -272,6 +272,7 @@ def train(
                 lengths = [len(c.token_ids) for g in groups for c in g]
                 sampled_tokens = sum(lengths)
                 learner_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
+                padding_frac = learn_metrics.pop("padding_frac")
                 step_metrics.update({f"train/{k}": v for k, v in learn_metrics.items()})
                 step_metrics.update({
                     "train/reward_mean": float(rewards.mean()),
@@ -294,6 +295,7 @@ def train(
                     "perf/sync_time_s": sync_time,
                     "perf/sampler_tokens_per_s": sampled_tokens / max(sample_time, 1e-9),
                     "perf/learner_tokens_per_s": learner_tokens / max(learn_time, 1e-9),
+                    "perf/learner_padding_frac": padding_frac,
                     "perf/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 })
             else:
@@ -327,7 +329,8 @@ def _learn(policy, optimizer, seqs, cfg, pad_id, reference) -> dict[str, float]:
     autocast = cfg.hardware.autocast_dtype
     common = dict(
         algo_cfg=cfg.algo, pad_id=pad_id, temperature=cfg.sampler.temperature,
-        micro_batch_size=cfg.hardware.micro_batch_size, autocast_dtype=getattr(torch, autocast) if autocast else None,
+        micro_batch_size=cfg.hardware.micro_batch_size, micro_batch_tokens=cfg.hardware.micro_batch_tokens,
+        autocast_dtype=getattr(torch, autocast) if autocast else None,
     )
     if cfg.trainer.mini_batches > 1:
         fill_old_logprobs(policy, seqs, **{k: v for k, v in common.items() if k != "algo_cfg"})

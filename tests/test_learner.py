@@ -100,7 +100,7 @@ def test_off_policy_old_logprobs_are_recorded(tiny_model):
 # ---- the fast path (fused LM head, eager attention, compiled layers) against the straightforward one
 
 
-def update_grads(model, seqs, *, autocast_dtype=None, fused_head=True, algo_cfg=None):
+def update_grads(model, seqs, *, autocast_dtype=None, fused_head=True, algo_cfg=None, micro_batch_tokens=None):
     """Loss and gradients of one on-policy update, with the LM-head path chosen by ``fused_head``."""
     import fgrpo.learner as learner
 
@@ -110,7 +110,8 @@ def update_grads(model, seqs, *, autocast_dtype=None, fused_head=True, algo_cfg=
         model.zero_grad(set_to_none=True)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         metrics = update_policy(model, optimizer, seqs, algo_cfg=algo_cfg or algo("dapo"), pad_id=0, temperature=0.8,
-                                micro_batch_size=4, grad_clip=1e9, max_new_tokens=8, autocast_dtype=autocast_dtype)
+                                micro_batch_size=4, grad_clip=1e9, max_new_tokens=8, autocast_dtype=autocast_dtype,
+                                micro_batch_tokens=micro_batch_tokens)
     finally:
         learner.completion_logprobs = original
     return metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -214,6 +215,134 @@ def test_checkpointed_compiled_layers_give_the_eager_gradients(tiny_model, autoc
     assert compile_decoder_layers(checkpointed) == 2
     assert_same_update(update_grads(checkpointed, seqs, autocast_dtype=autocast_dtype),
                        update_grads(eager, seqs, autocast_dtype=autocast_dtype), loss_atol=loss_atol, grad_rel=grad_rel)
+    # and packed, as hardware=cpu runs it (micro_batch_tokens): rows of several sequences through the compiled graph
+    assert_same_update(update_grads(checkpointed, seqs, autocast_dtype=autocast_dtype, micro_batch_tokens=40),
+                       update_grads(eager, seqs, autocast_dtype=autocast_dtype), loss_atol=loss_atol, grad_rel=grad_rel)
+
+
+# ---- packing: several sequences per row (hardware.micro_batch_tokens), against one padded sequence per row
+
+
+def test_pack_rows_first_fit_decreasing():
+    from fgrpo.learner import pack_rows
+
+    lengths = [5, 9, 2, 7, 3, 3, 12, 1]
+    rows = pack_rows(lengths, 10)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert rows[0] == [6]  # longer than a row: a row of its own
+    assert all(sum(lengths[i] for i in row) <= 10 for row in rows[1:])
+    assert rows == [[6], [1, 7], [3, 4], [0, 5, 2]]  # 12 | 9+1 | 7+3 | 5+3+2: first fit, longest first
+    assert rows == pack_rows(lengths, 10)
+
+
+def rl_like_seqs(count, seed=0):
+    """A fixed-length prompt and mostly short completions with a few at the cap, as RL rollouts come."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [60 if i % 8 == 0 else int(torch.randint(2, 20, (1,), generator=gen)) for i in range(count)]
+    return [Sequence(torch.randint(1, 97, (12,), generator=gen).tolist(), torch.randint(1, 97, (n,), generator=gen).tolist(),
+                     advantage=float(torch.randn(1, generator=gen))) for n in lengths]
+
+
+@pytest.mark.parametrize("seqs", [rl_like_seqs(40), make_seqs(seed=11, count=40)], ids=["rl-like", "even"])
+def test_token_budget_micro_batches_hold_every_sequence_once_within_the_budget(seqs):
+    from fgrpo.learner import micro_batches
+
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
+    for tokens in (1, 40, 150, 10_000):
+        micros = micro_batches(seqs, size=4, tokens=tokens)
+        assert sorted(id(s) for m in micros for s in m.seqs) == sorted(id(s) for s in seqs)
+        for m in micros:
+            assert sorted(i for row in m.rows for i in row) == list(range(len(m.seqs)))
+            assert m.padded_tokens <= max(tokens, max(lengths))
+        if tokens == 10_000:
+            assert len(micros) == 1
+    # with the budget of 8 longest sequences: about as few padded slots as 8 sorted sequences per micro-batch
+    # (the padded layout, best for even lengths; micro-batch boundaries differ), never fewer than the tokens
+    padded = micro_batches(seqs, size=8, tokens=None)
+    assert [len(m.seqs) for m in padded] == [8] * 5 and all(m.rows is None for m in padded)
+    slots = sum(m.padded_tokens for m in micro_batches(seqs, size=8, tokens=8 * max(lengths)))
+    assert sum(lengths) <= slots <= 1.05 * sum(m.padded_tokens for m in padded)
+
+
+def test_token_budget_holds_when_the_longest_sequence_is_over_half_of_it():
+    from fgrpo.learner import micro_batches
+
+    lengths = [50, 44, 42, 41, 40, 39, 30, 24, 6]  # rows 1.5 or 2 x 50 wide would not fit 64 slots
+    seqs = [Sequence([1] * 4, [2] * (n - 4)) for n in lengths]
+    for cost in (0.0, 1e-3):
+        micros = micro_batches(seqs, size=4, tokens=64, width_cost=cost)
+        assert all(m.padded_tokens <= 64 for m in micros)
+        assert sorted(id(s) for m in micros for s in m.seqs) == sorted(id(s) for s in seqs)
+
+
+def test_rl_like_lengths_pack_several_to_a_row():
+    from fgrpo.learner import micro_batches
+
+    seqs = rl_like_seqs(64, seed=1)
+    real = sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
+    padded = sum(m.padded_tokens for m in micro_batches(seqs, size=32, tokens=None))
+    micros = micro_batches(seqs, size=32, tokens=32 * 72)
+    packed = sum(m.padded_tokens for m in micros)
+    assert max(len(row) for m in micros for row in m.rows) >= 3
+    assert 1 - real / packed < 0.5 * (1 - real / padded)  # under half the padding
+
+
+def test_micro_batch_layout_weighs_padding_against_row_width(tiny_model):
+    from fgrpo.learner import attention_width_cost, micro_batches
+
+    # the tiny Llama: 2 * hidden / parameters of one layer
+    layer_params = sum(p.numel() for p in tiny_model.model.layers[0].parameters())
+    assert attention_width_cost(tiny_model) == pytest.approx(2 * 32 / layer_params)
+    # lengths just over half the longest: rows as wide as the longest hold one each, twice as wide pack two
+    seqs = [Sequence([1] * 6, [2] * n) for n in (14, 8, 9, 10, 8, 9, 10, 11, 12, 13)]
+    longest = 20
+
+    def widths(cost):
+        return {max(sum(len(m.seqs[i].prompt_ids) + len(m.seqs[i].completion_ids) for i in row) for row in m.rows)
+                for m in micro_batches(seqs, size=4, tokens=1000, width_cost=cost)}
+
+    assert max(widths(0.0)) > longest  # attention free: the wide rows, least padding
+    assert max(widths(1.0)) == longest  # attention dear: one sequence per row
+
+
+def tiny_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return Qwen2ForCausalLM(config).float()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_packed_rows_give_each_sequence_its_own_logprobs(tiny_model, arch, attention):
+    """Sequences sharing a row see only themselves: their log-probs are those of each one run alone."""
+    from fgrpo.learner import pack_rows
+
+    model = copy.deepcopy(tiny_model) if arch == "llama" else tiny_qwen2()
+    model.set_attn_implementation(attention)
+    seqs = make_seqs(seed=12, count=9)
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
+    rows = pack_rows(lengths, 2 * max(lengths))
+    assert max(len(row) for row in rows) >= 3
+    logp, mask, entropy = completion_logprobs(model, seqs, pad_id=0, temperature=0.7, with_entropy=True, rows=rows)
+    padded_logp, _, padded_entropy = completion_logprobs(model, seqs, pad_id=0, temperature=0.7, with_entropy=True)
+    for row, seq in enumerate(seqs):
+        n = len(seq.completion_ids)
+        torch.testing.assert_close(logp[row, :n], reference_logprobs(model, seq, 0.7), atol=1e-5, rtol=1e-5)
+        assert mask[row, :n].all() and not mask[row, n:].any()
+    torch.testing.assert_close(entropy, padded_entropy, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logp, padded_logp, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [12, 150, 1000])
+def test_packed_micro_batches_give_the_padded_loss_and_gradients(tiny_model, tokens):
+    model, seqs = copy.deepcopy(tiny_model), rl_like_seqs(count=11, seed=13)
+    packed = update_grads(model, seqs, micro_batch_tokens=tokens)
+    padded = update_grads(model, seqs)
+    assert_same_update(packed, padded, loss_atol=1e-6, grad_rel=1e-5)
+    assert packed[0]["padding_frac"] < padded[0]["padding_frac"]
 
 
 def test_missing_cpp_compiler_is_a_config_error_naming_the_fix():
