@@ -105,24 +105,20 @@ def completion_logprobs(
     the straightforward path, which is also the reference the fused one is tested against.
 
     ``rows`` (indices into ``seqs``, e.g. from :func:`pack_rows`) packs several sequences into each
-    row: positions restart per sequence and transformers' packed-sequence mask keeps each sequence's
-    attention inside itself, so the result equals the padded layout's, without its padding. None: one
-    right-padded sequence per row.
+    row; None: one right-padded sequence per row. Either way positions restart at each sequence (and
+    at the padding) and no attention mask is passed, so transformers builds its packed-sequence mask
+    from the position ids and each sequence attends only to itself: packed rows give the padded
+    layout's result without its padding.
     """
     device = next(model.parameters()).device
-    packed = rows is not None
-    input_ids, position_ids, predict_at = _lay_out_rows(seqs, rows if packed else [[i] for i in range(len(seqs))],
-                                                        pad_id, device)
+    if rows is None:
+        rows = [[i] for i in range(len(seqs))]
+    input_ids, position_ids, predict_at = _lay_out_rows(seqs, rows, pad_id, device)
     targets = torch.tensor([t for s in seqs for t in s.completion_ids], dtype=torch.long, device=device)
-    if packed:  # no 2D mask: transformers then reads the sequence boundaries from the position ids
-        layout = dict(position_ids=position_ids)
-    else:
-        lengths = torch.tensor([len(s.prompt_ids) + len(s.completion_ids) for s in seqs], device=device)
-        layout = dict(attention_mask=(torch.arange(input_ids.shape[1], device=device)[None, :] < lengths[:, None]).long())
     head = model.get_output_embeddings()
     fused = fused_head and not (with_entropy and entropy_grad) and getattr(head, "bias", None) is None
     with mixed_precision(device.type, autocast_dtype):
-        hidden = model.base_model(input_ids=input_ids, use_cache=False, **layout).last_hidden_state
+        hidden = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         # only completion positions go through the LM head: [N, hidden] -> [N, vocab]
         selected_hidden = hidden.flatten(0, 1)[predict_at]
         if not fused:
