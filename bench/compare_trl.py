@@ -211,6 +211,7 @@ def child_ours(spec: dict) -> dict:
             "generated_tokens": round(generated),
             "prompt_tokens": round(learner_tokens - generated),
             "padding_frac": row.get("perf/learner_padding_frac", 0.0),
+            "computed_tokens": row.get("perf/learner_computed_tokens", learner_tokens),
         })
     hw = cfg.hardware
     sampler = (f"vLLM {_version('vllm')} ({hw.sampler_dtype})" if cfg.sampler.name == "vllm"
@@ -220,6 +221,7 @@ def child_ours(spec: dict) -> dict:
             "learner": f"torch {hw.learner_dtype} + {hw.autocast_dtype} autocast on {hw.device}, "
                        + (f"packed rows, micro-batches of at most {hw.micro_batch_tokens} token slots"
                           if hw.get("micro_batch_tokens") else f"micro-batch {hw.micro_batch_size}")
+                       + (", shared prompts" if hw.get("micro_batch_tokens") and hw.get("share_prompts") else "")
                        + (", gradient checkpointing" if hw.gradient_checkpointing else "")}
 
 
@@ -428,9 +430,11 @@ def summarise(result: dict, p: int, g: int, matmul: dict) -> dict:
     # per step: prompt tokens count once per sample (what both samplers prefill without prefix sharing)
     prompt_per_sample = med["prompt_tokens"] / (p * g)
     gen = med["generated_tokens"]
-    learner_tokens = med["prompt_tokens"] + gen
+    # the positions the learner's forward and backward ran over: ours leaves padding out and may compute a
+    # group's shared prompt once (perf/learner_computed_tokens); TRL: every sample's prompt + completion
+    computed = med.get("computed_tokens", med["prompt_tokens"] + gen)
     sampler_flops = 2 * body * (med["prompt_tokens"] + gen) + 2 * head * (gen + p * g)
-    learner_flops = 6 * (body * learner_tokens + head * gen)
+    learner_flops = 6 * (body * computed + head * gen)
     out = {
         "step_s": med["step_s"], "sample_s": med["sample_s"], "score_s": med["score_s"], "learn_s": med["learn_s"],
         "other_s": med["other_s"], "generated_tokens": gen, "prompt_tokens_per_sample": prompt_per_sample,
@@ -442,6 +446,7 @@ def summarise(result: dict, p: int, g: int, matmul: dict) -> dict:
         "peak_rss_gib": result["peak_rss_gib"], "peak_gpu_gib": result.get("peak_gpu_gib"),
         "measured_steps": len(steps),
         "learner_padding_pct": 100 * med["padding_frac"] if "padding_frac" in med else None,
+        "learner_computed_tokens": computed,
     }
     for phase in ("sampler", "learner"):
         for dtype in ("bf16", "fp32"):
@@ -460,6 +465,7 @@ ROWS = [  # (key, label, format)
     ("sampler_tok_s", "sampler tokens/s (generated)", "{:.1f}"),
     ("learner_tok_s", "learner tokens/s (prompt+completion)", "{:.1f}"),
     ("learner_padding_pct", "learner padding, % of token slots", "{:.1f}"),
+    ("learner_computed_tokens", "learner positions computed per step (a shared prompt once)", "{:.0f}"),
     ("sampler_gflop_s", "sampler GFLOP/s", "{:.1f}"),
     ("sampler_pct_bf16", "sampler % of bf16 matmul", "{:.1f}"),
     ("sampler_pct_fp32", "sampler % of fp32 matmul", "{:.1f}"),
@@ -487,7 +493,8 @@ def markdown(report: dict) -> str:
         + (", before and after the runs: " + " and ".join(f"{r['fp32_flops'] / 1e9:.0f} / {r['bf16_flops'] / 1e9:.0f}"
                                                            for r in mm["readings"]) if "readings" in mm else "")
         + ").",
-        "FLOPs: learner 6 x (body params x (prompt+completion tokens) + head params x completion tokens); "
+        "FLOPs: learner 6 x (body params x positions computed + head params x completion tokens), positions "
+        "computed = prompt+completion tokens, less a shared prompt's repeats (ours); "
         "sampler 2 x (body params x (prompt tokens x G + generated) + head params x (generated + P x G)); "
         "attention scores not counted.",
         "",

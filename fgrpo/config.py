@@ -91,6 +91,8 @@ class HardwareConfig:
     micro_batch_size: int = 8  # sequences per micro-batch, padded to the longest (when micro_batch_tokens is null)
     # set: sequences packed several to a row, at most this many token slots (rows x widest row) per micro-batch
     micro_batch_tokens: Optional[int] = None
+    # with micro_batch_tokens: a prompt's samples may follow one copy of it in a row (its G copies computed once)
+    share_prompts: bool = False
     threads: int = 0  # torch threads on CPU; 0 = all cores
     attention: str = "sdpa"  # the learner's attention kernel: sdpa | eager (faster for short sequences on CPU)
     compile_learner: bool = False  # torch.compile the learner's decoder layers (needs a C++ compiler on CPU)
@@ -211,6 +213,8 @@ def validate(cfg: DictConfig | Config) -> None:
     tokens = cfg.hardware.get("micro_batch_tokens")
     need(tokens is None or tokens >= 1, "hardware.micro_batch_tokens", tokens, "must be >= 1, or null to pad each sequence")
     need(cfg.hardware.attention in ("sdpa", "eager"), "hardware.attention", cfg.hardware.attention, "must be sdpa or eager")
+    need(not cfg.hardware.get("share_prompts") or tokens is not None, "hardware.share_prompts", True,
+         "needs packed rows: set hardware.micro_batch_tokens (e.g. 4096), or hardware.share_prompts=false")
     need(cfg.hardware.sampler_kv_cache_gib > 0, "hardware.sampler_kv_cache_gib", cfg.hardware.sampler_kv_cache_gib,
          "must be > 0 (GiB of KV cache for vLLM on CPU, e.g. 0.5)")
     autocast = cfg.hardware.autocast_dtype

@@ -31,35 +31,80 @@ def mixed_precision(device_type: str, dtype: torch.dtype | None):
     return torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
-def _lay_out_rows(
-    seqs: list[Sequence], rows: list[list[int]], pad_id: int, device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``input_ids [R, W]``, ``position_ids [R, W]`` and ``predict_at [N]`` for ``seqs`` laid out in ``rows``.
+@dataclass
+class RowLayout:
+    input_ids: torch.Tensor  # [R, W]
+    position_ids: torch.Tensor  # [R, W]
+    predict_at: torch.Tensor  # [N]: flat index r * W + t of the hidden state that predicts each completion token
+    allowed: torch.Tensor | None  # [R, 1, W, W] bool (query, key); None: transformers' packed mask from the positions
+    real_tokens: int  # token slots holding prompt or completion tokens (a shared prompt counts once)
 
-    Each row holds the sequences ``rows[r]`` (indices into ``seqs``) one after the other, then padding;
-    positions restart at 0 for each sequence and for the padding. ``predict_at`` is the flat index
-    (``r * W + t``) of the hidden state that predicts each completion token, sequence by sequence in
-    ``seqs``' order, so N is the total completion length.
+
+def _lay_out_rows(
+    seqs: list[Sequence], rows: list[list[int]], pad_id: int, device, *, share_prompts: bool = False
+) -> RowLayout:
+    """Token ids, positions and the prediction index for ``seqs`` laid out in ``rows`` (indices into ``seqs``).
+
+    Each row holds its sequences one after the other, then padding; positions restart at 0 for each
+    sequence and for the padding, so transformers' packed-sequence mask keeps them apart. With
+    ``share_prompts``, a run of consecutive sequences in a row with the same prompt is laid out as
+    the prompt once and then each completion, positions continuing from the prompt's end: every
+    completion attends to the prompt and to itself only (the ``allowed`` mask), which gives each
+    completion the log-probs of its own unshared sequence while the prompt is computed once.
+    ``predict_at`` lists, sequence by sequence in ``seqs``' order, where each completion token is
+    predicted from: the prompt's last token for the first, then the completion's own tokens.
     """
-    width = max(sum(len(seqs[i].prompt_ids) + len(seqs[i].completion_ids) for i in row) for row in rows)
+    units = []  # per row: runs of sequence indices laid out behind one copy of their prompt
+    for row in rows:
+        row_units: list[list[int]] = []
+        for i in row:
+            if not seqs[i].prompt_ids:  # its first completion token would have no position predicting it
+                raise ValueError("a sequence needs at least one prompt token (e.g. BOS)")
+            if share_prompts and row_units and seqs[row_units[-1][0]].prompt_ids == seqs[i].prompt_ids:
+                row_units[-1].append(i)
+            else:
+                row_units.append([i])
+        units.append(row_units)
+    fills = [sum(len(seqs[u[0]].prompt_ids) + sum(len(seqs[i].completion_ids) for i in u) for u in row_units)
+             for row_units in units]
+    width = max(fills)
+    shared = any(len(u) > 1 for row_units in units for u in row_units)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    # for the mask: which unit (prompt + its completions) a slot is in, and which completion (-1: the prompt);
+    # each padding slot is a unit of its own, so it attends to itself only
+    unit_of = torch.arange(len(rows) * width).view(len(rows), width)
+    completion_of = torch.full((len(rows), width), -1, dtype=torch.long)
     predict_at: list[torch.Tensor | None] = [None] * len(seqs)
-    for r, row in enumerate(rows):
+    for r, row_units in enumerate(units):
         start = 0
-        for i in row:
-            seq = seqs[i]
-            if not seq.prompt_ids:  # its first completion token would have no position predicting it
-                raise ValueError("a sequence needs at least one prompt token (e.g. BOS)")
-            length = len(seq.prompt_ids) + len(seq.completion_ids)
-            input_ids[r, start : start + length] = torch.tensor(seq.prompt_ids + seq.completion_ids)
-            position_ids[r, start : start + length] = torch.arange(length)
-            # the hidden state at t predicts token t + 1: the last prompt token predicts the first completion token
-            first = r * width + start + len(seq.prompt_ids) - 1
-            predict_at[i] = torch.arange(first, first + len(seq.completion_ids))
-            start += length
+        for unit in row_units:
+            prompt = seqs[unit[0]].prompt_ids
+            unit_start = start
+            input_ids[r, start : start + len(prompt)] = torch.tensor(prompt)
+            position_ids[r, start : start + len(prompt)] = torch.arange(len(prompt))
+            start += len(prompt)
+            for i in unit:
+                completion = seqs[i].completion_ids
+                input_ids[r, start : start + len(completion)] = torch.tensor(completion, dtype=torch.long)
+                position_ids[r, start : start + len(completion)] = torch.arange(len(prompt), len(prompt) + len(completion))
+                completion_of[r, start : start + len(completion)] = i
+                # the hidden state at t predicts the token after t: the prompt's last token predicts the first
+                # completion token, completion token j - 1 predicts token j
+                flat = r * width
+                predict_at[i] = torch.cat([torch.tensor([flat + unit_start + len(prompt) - 1]),
+                                           torch.arange(flat + start, flat + start + len(completion) - 1)])[: len(completion)]
+                start += len(completion)
+            unit_of[r, unit_start:start] = unit_of[r, unit_start]
         position_ids[r, start:] = torch.arange(width - start)
-    return input_ids.to(device), position_ids.to(device), torch.cat(predict_at).to(device)
+    allowed = None
+    if shared:
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        same_unit = unit_of[:, :, None] == unit_of[:, None, :]
+        key_visible = (completion_of[:, None, :] == -1) | (completion_of[:, None, :] == completion_of[:, :, None])
+        allowed = (causal & same_unit & key_visible)[:, None].to(device)
+    return RowLayout(input_ids.to(device), position_ids.to(device), torch.cat(predict_at).to(device), allowed,
+                     sum(fills))
 
 
 def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
@@ -92,6 +137,7 @@ def completion_logprobs(
     autocast_dtype: torch.dtype | None = None,
     fused_head: bool = True,
     rows: list[list[int]] | None = None,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Log-probs of each completion token under ``model`` (with grad if enabled).
 
@@ -108,19 +154,23 @@ def completion_logprobs(
     row; None: one right-padded sequence per row. Either way positions restart at each sequence (and
     at the padding) and no attention mask is passed, so transformers builds its packed-sequence mask
     from the position ids and each sequence attends only to itself: packed rows give the padded
-    layout's result without its padding.
+    layout's result without its padding. ``share_prompts``: consecutive sequences in a row with the
+    same prompt share one copy of it (:func:`_lay_out_rows`), through an explicit attention mask
+    (eager or sdpa attention only).
     """
     device = next(model.parameters()).device
     if rows is None:
         rows = [[i] for i in range(len(seqs))]
-    input_ids, position_ids, predict_at = _lay_out_rows(seqs, rows, pad_id, device)
+    layout = _lay_out_rows(seqs, rows, pad_id, device, share_prompts=share_prompts)
+    attention_mask = None if layout.allowed is None else _attention_mask(model, layout.allowed)
     targets = torch.tensor([t for s in seqs for t in s.completion_ids], dtype=torch.long, device=device)
     head = model.get_output_embeddings()
     fused = fused_head and not (with_entropy and entropy_grad) and getattr(head, "bias", None) is None
     with mixed_precision(device.type, autocast_dtype):
-        hidden = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        hidden = model.base_model(input_ids=layout.input_ids, position_ids=layout.position_ids,
+                                  attention_mask=attention_mask, use_cache=False).last_hidden_state
         # only completion positions go through the LM head: [N, hidden] -> [N, vocab]
-        selected_hidden = hidden.flatten(0, 1)[predict_at]
+        selected_hidden = hidden.flatten(0, 1)[layout.predict_at]
         if not fused:
             logits = head(selected_hidden)
     if fused:
@@ -147,6 +197,21 @@ def completion_logprobs(
     if with_entropy:
         entropy = torch.zeros(mask.shape, dtype=flat_entropy.dtype, device=device).masked_scatter(mask, flat_entropy)
     return logp, mask, entropy
+
+
+SHARED_PROMPT_ATTENTION = ("eager", "sdpa")  # attention implementations that take a custom 4D mask
+
+
+def _attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
+    """``allowed`` [R, 1, W, W] in the form the model's attention takes: sdpa a bool mask, eager an additive one."""
+    implementation = model.config._attn_implementation
+    if implementation == "sdpa":
+        return allowed
+    if implementation == "eager":
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    raise ValueError(f"shared prompts need eager or sdpa attention, not {implementation!r}: set "
+                     "hardware.attention=eager (or sdpa), or hardware.share_prompts=false")
 
 
 def require_cpp_compiler() -> None:
@@ -264,18 +329,23 @@ class MicroBatch:
     seqs: list[Sequence]
     rows: list[list[int]] | None  # packed rows (indices into seqs); None: one padded sequence per row
     padded_tokens: int  # rows x width: what the forward and backward compute over
+    real_tokens: int  # of those, the slots holding tokens (a shared prompt counts once)
+    share_prompts: bool = False  # runs of same-prompt sequences in a row share one copy of the prompt
 
 
 def micro_batches(
-    seqs: list[Sequence], *, size: int, tokens: int | None = None, width_cost: float = 0.0
+    seqs: list[Sequence], *, size: int, tokens: int | None = None, width_cost: float = 0.0,
+    share_prompts: bool = False,
 ) -> list[MicroBatch]:
     """Split a step's sequences for gradient accumulation.
 
     ``tokens`` set: each micro-batch holds at most ``tokens`` token slots (rows x its widest row; a
-    sequence longer than that gets a micro-batch of its own). Several layouts are tried and the one
-    with the least estimated work kept: one sequence per row, sorted by length (best when lengths
-    are even), and sequences packed several to a row (:func:`pack_rows`) in rows 1, 1.5 or 2 times as
+    row longer than that gets a micro-batch of its own). Several layouts are tried and the one with
+    the least estimated work kept: one sequence per row, sorted by length (best when lengths are
+    even), and sequences packed several to a row (:func:`pack_rows`) in rows 1, 1.5 or 2 times as
     wide as the longest sequence (wider rows pack better, as RL completions of mixed lengths need).
+    ``share_prompts`` adds layouts where the samples of one prompt (all of them, or split in 2 or 4
+    parts) follow one copy of it: a group's G samples then cost one prompt instead of G.
     The work of a micro-batch is ``slots * (1 + width * width_cost)``: attention over a row costs in
     proportion to its width (:func:`attention_width_cost`). None: ``size`` sequences per
     micro-batch, sorted by length, one per row.
@@ -284,20 +354,51 @@ def micro_batches(
     if tokens is None:
         order = sorted(range(len(seqs)), key=lambda i: lengths[i])
         chunks = [order[i : i + size] for i in range(0, len(order), size)]
-        return [MicroBatch([seqs[i] for i in chunk], None, len(chunk) * max(lengths[i] for i in chunk))
-                for chunk in chunks]
-    longest = max(lengths)
-    # wider rows only while one still fits the budget
-    widths = sorted({min(int(longest * scale), max(tokens, longest)) for scale in (1, 1.5, 2)})
-    layouts = [[[i] for i in range(len(seqs))]] + [pack_rows(lengths, width) for width in widths]
-    best = min((_fill_micro_batches(rows, lengths, tokens) for rows in layouts),
-               key=lambda groups: sum(slots * (1 + width * width_cost) for _, slots, width in groups))
+        return [MicroBatch([seqs[i] for i in chunk], None, len(chunk) * max(lengths[i] for i in chunk),
+                           sum(lengths[i] for i in chunk)) for chunk in chunks]
+
+    def widths(longest: int) -> list[int]:  # wider rows only while one still fits the budget
+        return sorted({min(int(longest * scale), max(tokens, longest)) for scale in (1, 1.5, 2)})
+
+    # candidate layouts: (rows of sequence indices, the tokens each row holds, whether prompts are shared)
+    layouts = [([[i] for i in range(len(seqs))], lengths, False)]
+    layouts += [(rows, [sum(lengths[i] for i in row) for row in rows], False)
+                for rows in (pack_rows(lengths, width) for width in widths(max(lengths)))]
+    if share_prompts:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, seq in enumerate(seqs):
+            groups.setdefault(tuple(seq.prompt_ids), []).append(i)
+        for parts in (1, 2, 4):
+            units = [group[k::parts] for group in groups.values() for k in range(min(parts, len(group)))]
+            unit_lengths = [len(seqs[u[0]].prompt_ids) + sum(len(seqs[i].completion_ids) for i in u) for u in units]
+            for width in widths(max(unit_lengths)):
+                # a row's units sorted by prompt, so parts of one group that share a row share one prompt copy
+                rows = [sorted((i for u in row for i in units[u]), key=lambda i: (seqs[i].prompt_ids, i))
+                        for row in pack_rows(unit_lengths, width)]
+                layouts.append((rows, [_shared_fill(seqs, row) for row in rows], True))
+    best, best_shared, best_work = [], False, math.inf
+    for rows, fills, shared in layouts:
+        batches = _fill_micro_batches(rows, fills, tokens)
+        work = sum(slots * (1 + width * width_cost) for _, slots, width, _ in batches)
+        if work < best_work:
+            best, best_shared, best_work = batches, shared, work
     out = []
-    for group, slots, _ in best:
+    for group, slots, _, real in best:
         order = [i for row in group for i in row]
         local = {i: j for j, i in enumerate(order)}
-        out.append(MicroBatch([seqs[i] for i in order], [[local[i] for i in row] for row in group], slots))
+        out.append(MicroBatch([seqs[i] for i in order], [[local[i] for i in row] for row in group], slots, real,
+                              best_shared))
     return out
+
+
+def _shared_fill(seqs: list[Sequence], row: list[int]) -> int:
+    """Tokens of a row laid out with shared prompts: each run of same-prompt sequences holds its prompt once."""
+    fill = 0
+    for k, i in enumerate(row):
+        if k == 0 or seqs[row[k - 1]].prompt_ids != seqs[i].prompt_ids:
+            fill += len(seqs[i].prompt_ids)
+        fill += len(seqs[i].completion_ids)
+    return fill
 
 
 def attention_width_cost(model) -> float:
@@ -315,31 +416,36 @@ def attention_width_cost(model) -> float:
 
 
 def _fill_micro_batches(
-    rows: list[list[int]], lengths: list[int], tokens: int
-) -> list[tuple[list[list[int]], int, int]]:
-    """Rows, widest first, into micro-batches of at most ``tokens`` slots: ``[(rows, slots, width)]``."""
-    fills = [sum(lengths[i] for i in row) for row in rows]
-    groups: list[tuple[list[list[int]], int]] = []  # (rows, width: the fill of the first, widest, row)
+    rows: list[list[int]], fills: list[int], tokens: int
+) -> list[tuple[list[list[int]], int, int, int]]:
+    """Rows, widest first, into micro-batches of at most ``tokens`` slots: ``[(rows, slots, width, filled slots)]``.
+
+    ``fills[r]``: the tokens row ``r`` holds.
+    """
+    groups: list[list] = []  # [rows, width (the first, widest, row's fill), filled slots]
     for r in sorted(range(len(rows)), key=lambda r: -fills[r]):
         if groups and (len(groups[-1][0]) + 1) * groups[-1][1] <= tokens:
             groups[-1][0].append(rows[r])
+            groups[-1][2] += fills[r]
         else:
-            groups.append(([rows[r]], fills[r]))
-    return [(group, len(group) * width, width) for group, width in groups]
+            groups.append([[rows[r]], fills[r], fills[r]])
+    return [(group, len(group) * width, width, filled) for group, width, filled in groups]
 
 
 @torch.no_grad()
 def fill_old_logprobs(
     model, seqs: list[Sequence], *, pad_id: int, temperature: float, micro_batch_size: int,
-    micro_batch_tokens: int | None = None, autocast_dtype: torch.dtype | None = None,
+    micro_batch_tokens: int | None = None, autocast_dtype: torch.dtype | None = None, share_prompts: bool = False,
 ) -> None:
     """Record each sequence's log-probs under the current (sampling) policy, for off-policy mini-batches."""
     was_training = model.training
     model.eval()
     width_cost = attention_width_cost(model)
-    for micro in micro_batches(seqs, size=micro_batch_size, tokens=micro_batch_tokens, width_cost=width_cost):
+    for micro in micro_batches(seqs, size=micro_batch_size, tokens=micro_batch_tokens, width_cost=width_cost,
+                               share_prompts=share_prompts):
         logp, mask, _ = completion_logprobs(
-            model, micro.seqs, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype, rows=micro.rows
+            model, micro.seqs, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype, rows=micro.rows,
+            share_prompts=micro.share_prompts,
         )
         for row, seq in enumerate(micro.seqs):
             seq.old_logp = logp[row, : len(seq.completion_ids)].detach().clone()
@@ -360,6 +466,7 @@ def update_policy(
     micro_batch_tokens: int | None = None,
     ref_model=None,
     autocast_dtype: torch.dtype | None = None,
+    share_prompts: bool = False,
 ) -> dict[str, float]:
     """One optimizer step on ``seqs`` with gradient accumulation over micro-batches.
 
@@ -374,13 +481,16 @@ def update_policy(
     totals: dict[str, float] = {}
     ratio_max = 0.0
     loss_total = 0.0
-    padded_tokens = 0
+    padded_tokens = computed_tokens = 0
     width_cost = attention_width_cost(model)
-    for micro in micro_batches(seqs, size=micro_batch_size, tokens=micro_batch_tokens, width_cost=width_cost):
+    for micro in micro_batches(seqs, size=micro_batch_size, tokens=micro_batch_tokens, width_cost=width_cost,
+                               share_prompts=share_prompts):
         padded_tokens += micro.padded_tokens
+        computed_tokens += micro.real_tokens
         logp, mask, entropy = completion_logprobs(
             model, micro.seqs, pad_id=pad_id, temperature=temperature, with_entropy=True,
             entropy_grad=algo_cfg.entropy_coef > 0, autocast_dtype=autocast_dtype, rows=micro.rows,
+            share_prompts=micro.share_prompts,
         )
         if all(s.old_logp is not None for s in micro.seqs):
             old_logp = torch.zeros_like(logp)
@@ -394,7 +504,7 @@ def update_policy(
             with torch.no_grad():
                 ref_logp, _, _ = completion_logprobs(
                     ref_model, micro.seqs, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype,
-                    rows=micro.rows,
+                    rows=micro.rows, share_prompts=micro.share_prompts,
                 )
         loss, metrics = policy_loss(
             algo_cfg.name,
@@ -429,6 +539,7 @@ def update_policy(
         raise FloatingPointError("the gradient norm is not finite; lower trainer.lr or check the rewards")
     optimizer.step()
     out = {key: value / max(num_tokens, 1.0) for key, value in totals.items()}
-    real_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
-    out.update(loss=loss_total, grad_norm=grad_norm, ratio_max=ratio_max, padding_frac=1.0 - real_tokens / max(padded_tokens, 1))
+    # computed_tokens: the token positions the forward and backward ran over, padding left out (a shared prompt once)
+    out.update(loss=loss_total, grad_norm=grad_norm, ratio_max=ratio_max, computed_tokens=float(computed_tokens),
+               padding_frac=1.0 - computed_tokens / max(padded_tokens, 1))
     return out

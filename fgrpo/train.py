@@ -273,6 +273,7 @@ def train(
                 sampled_tokens = sum(lengths)
                 learner_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
                 padding_frac = learn_metrics.pop("padding_frac")
+                computed_tokens = learn_metrics.pop("computed_tokens")
                 step_metrics.update({f"train/{k}": v for k, v in learn_metrics.items()})
                 step_metrics.update({
                     "train/reward_mean": float(rewards.mean()),
@@ -296,6 +297,8 @@ def train(
                     "perf/sampler_tokens_per_s": sampled_tokens / max(sample_time, 1e-9),
                     "perf/learner_tokens_per_s": learner_tokens / max(learn_time, 1e-9),
                     "perf/learner_padding_frac": padding_frac,
+                    # positions the learner ran over (padding out, a shared prompt once): its FLOPs are ~6 x params x this
+                    "perf/learner_computed_tokens": computed_tokens,
                     "perf/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 })
             else:
@@ -331,6 +334,7 @@ def _learn(policy, optimizer, seqs, cfg, pad_id, reference) -> dict[str, float]:
         algo_cfg=cfg.algo, pad_id=pad_id, temperature=cfg.sampler.temperature,
         micro_batch_size=cfg.hardware.micro_batch_size, micro_batch_tokens=cfg.hardware.micro_batch_tokens,
         autocast_dtype=getattr(torch, autocast) if autocast else None,
+        share_prompts=cfg.hardware.share_prompts,
     )
     if cfg.trainer.mini_batches > 1:
         fill_old_logprobs(policy, seqs, **{k: v for k, v in common.items() if k != "algo_cfg"})
@@ -341,7 +345,9 @@ def _learn(policy, optimizer, seqs, cfg, pad_id, reference) -> dict[str, float]:
                       max_new_tokens=cfg.sampler.max_new_tokens, ref_model=reference, **common)
         for chunk in chunks if len(chunk)
     ]
-    return {key: float(np.mean([r[key] for r in results])) for key in results[0]}
+    out = {key: float(np.mean([r[key] for r in results])) for key in results[0]}
+    out["computed_tokens"] = float(sum(r["computed_tokens"] for r in results))
+    return out
 
 
 def _timed_eval(sampler, data, prompt_cache, verifier, cfg, seed):

@@ -100,7 +100,8 @@ def test_off_policy_old_logprobs_are_recorded(tiny_model):
 # ---- the fast path (fused LM head, eager attention, compiled layers) against the straightforward one
 
 
-def update_grads(model, seqs, *, autocast_dtype=None, fused_head=True, algo_cfg=None, micro_batch_tokens=None):
+def update_grads(model, seqs, *, autocast_dtype=None, fused_head=True, algo_cfg=None, micro_batch_tokens=None,
+                 share_prompts=False):
     """Loss and gradients of one on-policy update, with the LM-head path chosen by ``fused_head``."""
     import fgrpo.learner as learner
 
@@ -111,7 +112,7 @@ def update_grads(model, seqs, *, autocast_dtype=None, fused_head=True, algo_cfg=
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         metrics = update_policy(model, optimizer, seqs, algo_cfg=algo_cfg or algo("dapo"), pad_id=0, temperature=0.8,
                                 micro_batch_size=4, grad_clip=1e9, max_new_tokens=8, autocast_dtype=autocast_dtype,
-                                micro_batch_tokens=micro_batch_tokens)
+                                micro_batch_tokens=micro_batch_tokens, share_prompts=share_prompts)
     finally:
         learner.completion_logprobs = original
     return metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -218,6 +219,12 @@ def test_checkpointed_compiled_layers_give_the_eager_gradients(tiny_model, autoc
     # and packed, as hardware=cpu runs it (micro_batch_tokens): rows of several sequences through the compiled graph
     assert_same_update(update_grads(checkpointed, seqs, autocast_dtype=autocast_dtype, micro_batch_tokens=40),
                        update_grads(eager, seqs, autocast_dtype=autocast_dtype), loss_atol=loss_atol, grad_rel=grad_rel)
+    # and with shared prompts (the 4D mask goes through the compiled graph too)
+    groups = grouped_seqs(prompts=3, samples=4, seed=14)
+    shared = update_grads(checkpointed, groups, autocast_dtype=autocast_dtype, micro_batch_tokens=200, share_prompts=True)
+    assert shared[0]["computed_tokens"] < sum(len(s.prompt_ids) + len(s.completion_ids) for s in groups)
+    assert_same_update(shared, update_grads(eager, groups, autocast_dtype=autocast_dtype),
+                       loss_atol=loss_atol, grad_rel=grad_rel)
 
 
 # ---- packing: several sequences per row (hardware.micro_batch_tokens), against one padded sequence per row
@@ -326,7 +333,12 @@ def test_packed_rows_give_each_sequence_its_own_logprobs(tiny_model, arch, atten
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
     rows = pack_rows(lengths, 2 * max(lengths))
     assert max(len(row) for row in rows) >= 3
-    logp, mask, entropy = completion_logprobs(model, seqs, pad_id=0, temperature=0.7, with_entropy=True, rows=rows)
+    assert_each_sequence_alone(model, seqs, rows=rows)
+
+
+def assert_each_sequence_alone(model, seqs, **layout):
+    """Log-probs laid out as ``layout`` says equal each sequence's own unpadded run; entropy the padded layout's."""
+    logp, mask, entropy = completion_logprobs(model, seqs, pad_id=0, temperature=0.7, with_entropy=True, **layout)
     padded_logp, _, padded_entropy = completion_logprobs(model, seqs, pad_id=0, temperature=0.7, with_entropy=True)
     for row, seq in enumerate(seqs):
         n = len(seq.completion_ids)
@@ -343,6 +355,87 @@ def test_packed_micro_batches_give_the_padded_loss_and_gradients(tiny_model, tok
     padded = update_grads(model, seqs)
     assert_same_update(packed, padded, loss_atol=1e-6, grad_rel=1e-5)
     assert packed[0]["padding_frac"] < padded[0]["padding_frac"]
+
+
+# ---- shared prompts: a prompt's samples follow one copy of it in a row (hardware.share_prompts)
+
+
+def grouped_seqs(prompts, samples, seed=0):
+    """``prompts`` groups of ``samples`` sequences with one prompt each and RL-like completion lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for _ in range(prompts):
+        prompt = torch.randint(1, 97, (int(torch.randint(3, 12, (1,), generator=gen)),), generator=gen).tolist()
+        for k in range(samples):
+            n = 24 if k % 4 == 0 else int(torch.randint(1, 10, (1,), generator=gen))
+            seqs.append(Sequence(prompt, torch.randint(1, 97, (n,), generator=gen).tolist(),
+                                 advantage=float(torch.randn(1, generator=gen))))
+    return seqs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_shared_prompt_rows_give_each_sequence_its_own_logprobs(tiny_model, arch, attention):
+    """A completion behind a shared prompt sees the prompt and itself only: its own sequence's log-probs."""
+    from fgrpo.learner import _lay_out_rows
+
+    model = copy.deepcopy(tiny_model) if arch == "llama" else tiny_qwen2()
+    model.set_attn_implementation(attention)
+    seqs = grouped_seqs(prompts=3, samples=4, seed=15)
+    # a whole group in a row; a group split over two rows; two groups in one row; a lone sequence with padding
+    rows = [[0, 1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
+    layout = _lay_out_rows(seqs, rows, 0, "cpu", share_prompts=True)
+    prompt_lengths = [len(seqs[i].prompt_ids) for i in (0, 4, 6, 8, 10)]
+    assert layout.real_tokens == sum(prompt_lengths) + sum(len(s.completion_ids) for s in seqs)
+    assert_each_sequence_alone(model, seqs, rows=rows, share_prompts=True)
+
+
+def test_shared_prompt_layout_masks_every_completion_off_the_others():
+    from fgrpo.learner import _lay_out_rows
+
+    prompt = [5, 6, 7]
+    seqs = [Sequence(prompt, [1, 2]), Sequence(prompt, [3]), Sequence([9], [4])]
+    layout = _lay_out_rows(seqs, [[0, 1, 2]], 0, "cpu", share_prompts=True)
+    # row: 5 6 7 | 1 2 | 3 | 9 4, positions continue from the prompt for each completion
+    assert layout.input_ids.tolist() == [[5, 6, 7, 1, 2, 3, 9, 4]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 0, 1]]
+    assert layout.predict_at.tolist() == [2, 3, 2, 6]  # the prompt's last token predicts both first tokens
+    allowed = layout.allowed[0, 0].int().tolist()
+    assert allowed[5] == [1, 1, 1, 0, 0, 1, 0, 0]  # completion 2 sees the prompt and itself, not completion 1
+    assert allowed[4] == [1, 1, 1, 1, 1, 0, 0, 0]
+    assert allowed[7] == [0, 0, 0, 0, 0, 0, 1, 1]  # the other prompt's sequence sees only itself
+    assert _lay_out_rows(seqs, [[0, 1, 2]], 0, "cpu").allowed is None  # not shared: the positions' packed mask
+
+
+@pytest.mark.parametrize("tokens", [30, 200, 1000])
+def test_shared_prompt_micro_batches_give_the_padded_loss_and_gradients(tiny_model, tokens):
+    from fgrpo.learner import micro_batches
+
+    model, seqs = copy.deepcopy(tiny_model), grouped_seqs(prompts=4, samples=8, seed=16)
+    shared = update_grads(model, seqs, micro_batch_tokens=tokens, share_prompts=True)
+    assert_same_update(shared, update_grads(model, seqs), loss_atol=1e-6, grad_rel=1e-5)
+    packed = update_grads(model, seqs, micro_batch_tokens=tokens)
+    assert shared[0]["computed_tokens"] < packed[0]["computed_tokens"] == sum(
+        len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
+    micros = micro_batches(seqs, size=4, tokens=tokens, share_prompts=True)
+    assert sorted(id(s) for m in micros for s in m.seqs) == sorted(id(s) for s in seqs)
+    longest_group = max(sum(len(s.completion_ids) for s in seqs[k : k + 8]) + len(seqs[k].prompt_ids)
+                        for k in range(0, 32, 8))
+    assert all(m.share_prompts and m.padded_tokens <= max(tokens, longest_group) for m in micros)
+
+
+def test_shared_prompts_need_packed_rows_and_a_mask_taking_attention(tiny_model, compose):
+    from fgrpo.config import ConfigError, validate
+    from fgrpo.learner import _attention_mask
+
+    validate(compose("hardware=cpu", "hardware.share_prompts=true"))
+    cfg = compose("hardware=cpu", "hardware.share_prompts=true", "hardware.micro_batch_tokens=null")
+    with pytest.raises(ConfigError, match="hardware.micro_batch_tokens"):
+        validate(cfg)
+    model = copy.deepcopy(tiny_model)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="hardware.attention=eager"):
+        _attention_mask(model, torch.ones(1, 1, 2, 2, dtype=torch.bool))
 
 
 def test_missing_cpp_compiler_is_a_config_error_naming_the_fix():
