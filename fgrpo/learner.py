@@ -54,19 +54,10 @@ def _lay_out_rows(
     ``predict_at`` lists, sequence by sequence in ``seqs``' order, where each completion token is
     predicted from: the prompt's last token for the first, then the completion's own tokens.
     """
-    units = []  # per row: runs of sequence indices laid out behind one copy of their prompt
-    for row in rows:
-        row_units: list[list[int]] = []
-        for i in row:
-            if not seqs[i].prompt_ids:  # its first completion token would have no position predicting it
-                raise ValueError("a sequence needs at least one prompt token (e.g. BOS)")
-            if share_prompts and row_units and seqs[row_units[-1][0]].prompt_ids == seqs[i].prompt_ids:
-                row_units[-1].append(i)
-            else:
-                row_units.append([i])
-        units.append(row_units)
-    fills = [sum(len(seqs[u[0]].prompt_ids) + sum(len(seqs[i].completion_ids) for i in u) for u in row_units)
-             for row_units in units]
+    if any(not seqs[i].prompt_ids for row in rows for i in row):  # a first completion token needs a predictor
+        raise ValueError("a sequence needs at least one prompt token (e.g. BOS)")
+    units = [_prompt_units(seqs, row, share_prompts) for row in rows]
+    fills = [_units_length(seqs, row_units) for row_units in units]
     width = max(fills)
     shared = any(len(u) > 1 for row_units in units for u in row_units)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -105,6 +96,23 @@ def _lay_out_rows(
         allowed = (causal & same_unit & key_visible)[:, None].to(device)
     return RowLayout(input_ids.to(device), position_ids.to(device), torch.cat(predict_at).to(device), allowed,
                      sum(fills))
+
+
+def _prompt_units(seqs: list[Sequence], row: list[int], share_prompts: bool) -> list[list[int]]:
+    """A row's sequences as laid out behind one copy of their prompt: runs of consecutive same-prompt
+    sequences when ``share_prompts``, else one sequence each."""
+    units: list[list[int]] = []
+    for i in row:
+        if share_prompts and units and seqs[units[-1][0]].prompt_ids == seqs[i].prompt_ids:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    return units
+
+
+def _units_length(seqs: list[Sequence], units: list[list[int]]) -> int:
+    """Token slots the units take: each prompt once, then its completions."""
+    return sum(len(seqs[u[0]].prompt_ids) + sum(len(seqs[i].completion_ids) for i in u) for u in units)
 
 
 def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
@@ -370,12 +378,12 @@ def micro_batches(
             groups.setdefault(tuple(seq.prompt_ids), []).append(i)
         for parts in (1, 2, 4):
             units = [group[k::parts] for group in groups.values() for k in range(min(parts, len(group)))]
-            unit_lengths = [len(seqs[u[0]].prompt_ids) + sum(len(seqs[i].completion_ids) for i in u) for u in units]
+            unit_lengths = [_units_length(seqs, [u]) for u in units]
             for width in widths(max(unit_lengths)):
                 # a row's units sorted by prompt, so parts of one group that share a row share one prompt copy
                 rows = [sorted((i for u in row for i in units[u]), key=lambda i: (seqs[i].prompt_ids, i))
                         for row in pack_rows(unit_lengths, width)]
-                layouts.append((rows, [_shared_fill(seqs, row) for row in rows], True))
+                layouts.append((rows, [_units_length(seqs, _prompt_units(seqs, row, True)) for row in rows], True))
     best, best_shared, best_work = [], False, math.inf
     for rows, fills, shared in layouts:
         batches = _fill_micro_batches(rows, fills, tokens)
@@ -389,16 +397,6 @@ def micro_batches(
         out.append(MicroBatch([seqs[i] for i in order], [[local[i] for i in row] for row in group], slots, real,
                               best_shared))
     return out
-
-
-def _shared_fill(seqs: list[Sequence], row: list[int]) -> int:
-    """Tokens of a row laid out with shared prompts: each run of same-prompt sequences holds its prompt once."""
-    fill = 0
-    for k, i in enumerate(row):
-        if k == 0 or seqs[row[k - 1]].prompt_ids != seqs[i].prompt_ids:
-            fill += len(seqs[i].prompt_ids)
-        fill += len(seqs[i].completion_ids)
-    return fill
 
 
 def attention_width_cost(model) -> float:
