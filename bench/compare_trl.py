@@ -212,6 +212,7 @@ def child_ours(spec: dict) -> dict:
             "prompt_tokens": round(learner_tokens - generated),
             "padding_frac": row.get("perf/learner_padding_frac", 0.0),
             "computed_tokens": row.get("perf/learner_computed_tokens", learner_tokens),
+            "matmuls_kept_frac": row.get("perf/learner_matmuls_kept_frac", 0.0),
         })
     hw = cfg.hardware
     sampler = (f"vLLM {_version('vllm')} ({hw.sampler_dtype})" if cfg.sampler.name == "vllm"
@@ -222,7 +223,9 @@ def child_ours(spec: dict) -> dict:
                        + (f"packed rows, micro-batches of at most {hw.micro_batch_tokens} token slots"
                           if hw.get("micro_batch_tokens") else f"micro-batch {hw.micro_batch_size}")
                        + (", shared prompts" if hw.get("micro_batch_tokens") and hw.get("share_prompts") else "")
-                       + (", gradient checkpointing" if hw.gradient_checkpointing else "")}
+                       + (", gradient checkpointing" if hw.gradient_checkpointing else "")
+                       + (f" keeping up to {hw.keep_matmul_outputs_gib} GiB of matmul outputs"
+                          if hw.gradient_checkpointing and hw.get("keep_matmul_outputs_gib") else "")}
 
 
 def profiled(fn, out_path: str, *args, **kwargs):
@@ -447,6 +450,7 @@ def summarise(result: dict, p: int, g: int, matmul: dict) -> dict:
         "measured_steps": len(steps),
         "learner_padding_pct": 100 * med["padding_frac"] if "padding_frac" in med else None,
         "learner_computed_tokens": computed,
+        "learner_matmuls_kept_pct": 100 * med["matmuls_kept_frac"] if "matmuls_kept_frac" in med else None,
     }
     for phase in ("sampler", "learner"):
         for dtype in ("bf16", "fp32"):
@@ -466,6 +470,7 @@ ROWS = [  # (key, label, format)
     ("learner_tok_s", "learner tokens/s (prompt+completion)", "{:.1f}"),
     ("learner_padding_pct", "learner padding, % of token slots", "{:.1f}"),
     ("learner_computed_tokens", "learner positions computed per step (a shared prompt once)", "{:.0f}"),
+    ("learner_matmuls_kept_pct", "learner layer slots whose matmuls were kept, not recomputed, %", "{:.0f}"),
     ("sampler_gflop_s", "sampler GFLOP/s", "{:.1f}"),
     ("sampler_pct_bf16", "sampler % of bf16 matmul", "{:.1f}"),
     ("sampler_pct_fp32", "sampler % of fp32 matmul", "{:.1f}"),

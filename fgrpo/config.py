@@ -99,6 +99,9 @@ class HardwareConfig:
     sampler_kv_cache_gib: float = 2.0  # vLLM on CPU: KV cache size
     sampler_gpu_memory_utilization: float = 0.35  # vLLM on GPU: the learner shares the card
     gradient_checkpointing: bool = False
+    # with gradient_checkpointing and compile_learner: per micro-batch, up to this much memory keeps layers' matmul
+    # outputs, so that their backward recomputes only the cheap rest (norms, attention scores, SiLU); 0: none kept
+    keep_matmul_outputs_gib: float = 0.0
     # what one sweep job asks Slurm for (conf/hydra/launcher/slurm.yaml reads these)
     slurm_cpus_per_task: int = 2
     slurm_gpus_per_node: int = 0
@@ -215,6 +218,11 @@ def validate(cfg: DictConfig | Config) -> None:
     need(cfg.hardware.attention in ("sdpa", "eager"), "hardware.attention", cfg.hardware.attention, "must be sdpa or eager")
     need(not cfg.hardware.get("share_prompts") or tokens is not None, "hardware.share_prompts", True,
          "needs packed rows: set hardware.micro_batch_tokens (e.g. 4096), or hardware.share_prompts=false")
+    kept = cfg.hardware.keep_matmul_outputs_gib
+    need(kept >= 0, "hardware.keep_matmul_outputs_gib", kept, "must be >= 0 (GiB per micro-batch; 0 keeps none)")
+    need(kept == 0 or (cfg.hardware.gradient_checkpointing and cfg.hardware.compile_learner),
+         "hardware.keep_matmul_outputs_gib", kept, "chooses what gradient checkpointing keeps inside compiled layers: "
+         "set hardware.gradient_checkpointing=true and hardware.compile_learner=true, or set it to 0")
     need(cfg.hardware.sampler_kv_cache_gib > 0, "hardware.sampler_kv_cache_gib", cfg.hardware.sampler_kv_cache_gib,
          "must be > 0 (GiB of KV cache for vLLM on CPU, e.g. 0.5)")
     autocast = cfg.hardware.autocast_dtype

@@ -306,7 +306,7 @@ def discard_pages(storage: torch.UntypedStorage) -> int:
     return end - start
 
 
-def compile_decoder_layers(model, *, grad_only: bool = False) -> int:
+def compile_decoder_layers(model, *, grad_only: bool = False, selective_checkpoint: bool = False) -> int:
     """``torch.compile`` each decoder layer, fusing its norms, rotary embedding, activation and casts.
 
     All layers run the same code, so they share one dynamic-shape graph (compiled on the first step,
@@ -314,22 +314,76 @@ def compile_decoder_layers(model, *, grad_only: bool = False) -> int:
     ``grad_only``: compiled only where autograd records (the learner's forward and its recompute);
     without gradients the layers run eager, so a policy that is also the sampler (``sampler=hf``)
     generates with its KV cache as before instead of recompiling for each cache length.
+    ``selective_checkpoint`` (with the model's gradient checkpointing on): a second graph per layer
+    that keeps the outputs of its matmuls and recomputes only the rest in the backward (norms, rotary,
+    attention scores, SiLU, casts), used where :func:`keep_matmul_outputs` says. A checkpoint around
+    a compiled layer cannot see which of its ops are matmuls, so this one sits inside the graph.
     """
     layers = getattr(model.base_model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         return 0
     for layer in layers:
-        if grad_only:
+        eager = layer._call_impl
+        if grad_only or selective_checkpoint:
             # nn.Module.__call__ runs _compiled_call_impl when it is set (what Module.compile sets)
-            compiled, eager = torch.compile(layer._call_impl, dynamic=True), layer._call_impl
-            layer._compiled_call_impl = functools.partial(_compiled_with_grad, compiled, eager)
+            layer._compiled_call_impl = functools.partial(
+                _compiled_call, layer, torch.compile(eager, dynamic=True),
+                torch.compile(functools.partial(_checkpoint_keeping_matmuls, eager), dynamic=True)
+                if selective_checkpoint else None,
+                eager if grad_only else None)
         else:
             layer.compile(dynamic=True)
     return len(layers)
 
 
-def _compiled_with_grad(compiled, eager, *args, **kwargs):
-    return compiled(*args, **kwargs) if torch.is_grad_enabled() else eager(*args, **kwargs)
+def _compiled_call(layer, compiled, compiled_keeping_matmuls, eager, *args, **kwargs):
+    if eager is not None and not torch.is_grad_enabled():
+        return eager(*args, **kwargs)
+    if compiled_keeping_matmuls is not None and getattr(layer, "keeps_matmul_outputs", False):
+        return compiled_keeping_matmuls(*args, **kwargs)
+    return compiled(*args, **kwargs)
+
+
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keeping_matmuls_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
+def _checkpoint_keeping_matmuls(call, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(call, *args, use_reentrant=False, context_fn=_keeping_matmuls_context, **kwargs)
+
+
+def matmul_output_bytes(model, dtype: torch.dtype | None) -> int:
+    """Bytes per token slot that one decoder layer's kept matmul outputs take (q, k, v, attention output,
+    gate and up; the MLP's down projection is not needed by the backward)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    widths = (2 * config.num_attention_heads * head_dim + 2 * config.num_key_value_heads * head_dim
+              + 2 * config.intermediate_size)
+    return widths * (dtype or next(model.parameters()).dtype).itemsize
+
+
+def keep_matmul_outputs(model, layers: int) -> None:
+    """The first ``layers`` decoder layers keep their matmul outputs (selective checkpoint); the others
+    are recomputed whole in the backward. Needs :func:`compile_decoder_layers` with ``selective_checkpoint``."""
+    if not model.is_gradient_checkpointing:
+        raise ValueError("keeping matmul outputs chooses what gradient checkpointing keeps: call "
+                         "model.gradient_checkpointing_enable() first (hardware.gradient_checkpointing=true)")
+    for index, layer in enumerate(model.base_model.layers):
+        layer.keeps_matmul_outputs = index < layers
+        layer.gradient_checkpointing = index >= layers  # transformers' whole-layer checkpoint, around the graph
 
 
 @dataclass
@@ -465,6 +519,7 @@ def update_policy(
     ref_model=None,
     autocast_dtype: torch.dtype | None = None,
     share_prompts: bool = False,
+    kept_matmul_bytes: int = 0,
 ) -> dict[str, float]:
     """One optimizer step on ``seqs`` with gradient accumulation over micro-batches.
 
@@ -472,6 +527,8 @@ def update_policy(
     equals the full-batch gradient. ``old_logp`` comes from each sequence when set (mini_batches > 1);
     otherwise the batch is on-policy and old = current log-probs, detached (ratio exactly 1).
     ``ref_model`` (frozen) is needed only for the optional KL penalty, ``algo.kl_coef > 0``.
+    ``kept_matmul_bytes``: per micro-batch, as many layers as fit in it keep their matmul outputs for
+    the backward instead of recomputing them (:func:`keep_matmul_outputs`); 0 for none.
     """
     num_tokens = float(sum(len(s.completion_ids) for s in seqs))
     num_seqs = float(len(seqs))
@@ -479,12 +536,16 @@ def update_policy(
     totals: dict[str, float] = {}
     ratio_max = 0.0
     loss_total = 0.0
-    padded_tokens = computed_tokens = 0
+    padded_tokens = computed_tokens = kept_slots = 0
     width_cost = attention_width_cost(model)
     for micro in micro_batches(seqs, size=micro_batch_size, tokens=micro_batch_tokens, width_cost=width_cost,
                                share_prompts=share_prompts):
         padded_tokens += micro.padded_tokens
         computed_tokens += micro.real_tokens
+        if kept_matmul_bytes:
+            layers = kept_matmul_bytes // (micro.padded_tokens * matmul_output_bytes(model, autocast_dtype))
+            keep_matmul_outputs(model, layers)
+            kept_slots += micro.padded_tokens * min(layers, model.config.num_hidden_layers)
         logp, mask, entropy = completion_logprobs(
             model, micro.seqs, pad_id=pad_id, temperature=temperature, with_entropy=True,
             entropy_grad=algo_cfg.entropy_coef > 0, autocast_dtype=autocast_dtype, rows=micro.rows,
@@ -539,5 +600,7 @@ def update_policy(
     out = {key: value / max(num_tokens, 1.0) for key, value in totals.items()}
     # computed_tokens: the token positions the forward and backward ran over, padding left out (a shared prompt once)
     out.update(loss=loss_total, grad_norm=grad_norm, ratio_max=ratio_max, computed_tokens=float(computed_tokens),
-               padding_frac=1.0 - computed_tokens / max(padded_tokens, 1))
+               padding_frac=1.0 - computed_tokens / max(padded_tokens, 1),
+               # of the layers' token slots, the share whose matmul outputs were kept instead of recomputed
+               matmuls_kept_frac=kept_slots / max(padded_tokens * model.config.num_hidden_layers, 1))
     return out

@@ -148,7 +148,8 @@ def train(
     if cfg.hardware.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     # sampler=hf generates with the policy itself: compiled for the learner only (a KV cache would recompile)
-    if cfg.hardware.compile_learner and not compile_decoder_layers(policy, grad_only=cfg.sampler.name == "hf"):
+    if cfg.hardware.compile_learner and not compile_decoder_layers(
+            policy, grad_only=cfg.sampler.name == "hf", selective_checkpoint=cfg.hardware.keep_matmul_outputs_gib > 0):
         log.warning("hardware.compile_learner: %s has no decoder-layer list to compile; running eager", cfg.model.name)
     reference = None
     if cfg.algo.kl_coef > 0:
@@ -274,6 +275,7 @@ def train(
                 learner_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
                 padding_frac = learn_metrics.pop("padding_frac")
                 computed_tokens = learn_metrics.pop("computed_tokens")
+                matmuls_kept_frac = learn_metrics.pop("matmuls_kept_frac")
                 step_metrics.update({f"train/{k}": v for k, v in learn_metrics.items()})
                 step_metrics.update({
                     "train/reward_mean": float(rewards.mean()),
@@ -299,6 +301,8 @@ def train(
                     "perf/learner_padding_frac": padding_frac,
                     # positions the learner ran over (padding out, a shared prompt once): its FLOPs are ~6 x params x this
                     "perf/learner_computed_tokens": computed_tokens,
+                    # share of the layers' token slots whose backward reused kept matmul outputs (no recompute)
+                    "perf/learner_matmuls_kept_frac": matmuls_kept_frac,
                     "perf/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 })
             else:
@@ -342,7 +346,8 @@ def _learn(policy, optimizer, seqs, cfg, pad_id, reference) -> dict[str, float]:
     chunks = np.array_split(order, cfg.trainer.mini_batches)
     results = [
         update_policy(policy, optimizer, [seqs[i] for i in chunk], grad_clip=cfg.trainer.grad_clip,
-                      max_new_tokens=cfg.sampler.max_new_tokens, ref_model=reference, **common)
+                      max_new_tokens=cfg.sampler.max_new_tokens, ref_model=reference,
+                      kept_matmul_bytes=int(cfg.hardware.keep_matmul_outputs_gib * 2**30), **common)
         for chunk in chunks if len(chunk)
     ]
     out = {key: float(np.mean([r[key] for r in results])) for key in results[0]}

@@ -101,7 +101,7 @@ def test_off_policy_old_logprobs_are_recorded(tiny_model):
 
 
 def update_grads(model, seqs, *, autocast_dtype=None, fused_head=True, algo_cfg=None, micro_batch_tokens=None,
-                 share_prompts=False):
+                 share_prompts=False, kept_matmul_bytes=0):
     """Loss and gradients of one on-policy update, with the LM-head path chosen by ``fused_head``."""
     import fgrpo.learner as learner
 
@@ -112,7 +112,8 @@ def update_grads(model, seqs, *, autocast_dtype=None, fused_head=True, algo_cfg=
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         metrics = update_policy(model, optimizer, seqs, algo_cfg=algo_cfg or algo("dapo"), pad_id=0, temperature=0.8,
                                 micro_batch_size=4, grad_clip=1e9, max_new_tokens=8, autocast_dtype=autocast_dtype,
-                                micro_batch_tokens=micro_batch_tokens, share_prompts=share_prompts)
+                                micro_batch_tokens=micro_batch_tokens, share_prompts=share_prompts,
+                                kept_matmul_bytes=kept_matmul_bytes)
     finally:
         learner.completion_logprobs = original
     return metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -225,6 +226,54 @@ def test_checkpointed_compiled_layers_give_the_eager_gradients(tiny_model, autoc
     assert shared[0]["computed_tokens"] < sum(len(s.prompt_ids) + len(s.completion_ids) for s in groups)
     assert_same_update(shared, update_grads(eager, groups, autocast_dtype=autocast_dtype),
                        loss_atol=loss_atol, grad_rel=grad_rel)
+
+
+@pytest.mark.parametrize("autocast_dtype, loss_atol, grad_rel", [
+    (None, 1e-5, 1e-4),
+    (torch.bfloat16, 1e-3, 0.02),
+])
+def test_selective_checkpoint_keeps_matmul_outputs_and_gives_the_eager_gradients(
+        tiny_model, autocast_dtype, loss_atol, grad_rel):
+    """hardware.keep_matmul_outputs_gib: layers that keep their matmul outputs recompute norms, attention and SiLU
+    in the backward but not the matmuls; the others are recomputed whole; the update is the eager one."""
+    import fgrpo.learner as learner
+    from fgrpo.learner import compile_decoder_layers, matmul_output_bytes
+
+    eager = copy.deepcopy(tiny_model).train()
+    eager.set_attn_implementation("eager")
+    selective = copy.deepcopy(eager)
+    selective.gradient_checkpointing_enable()
+    assert compile_decoder_layers(selective, selective_checkpoint=True) == 2
+    groups = grouped_seqs(prompts=3, samples=4, seed=15)
+    per_slot = matmul_output_bytes(selective, autocast_dtype)
+    assert per_slot == (2 * 32 + 2 * 16 + 2 * 64) * (2 if autocast_dtype else 4)  # q, o 32 wide; k, v 16; gate, up 64
+
+    def update_saving(kept_bytes):
+        """The update, and the last dimensions of the tensors autograd keeps for the backward."""
+        widths, kept_layers = [], []
+        original = learner.keep_matmul_outputs
+        learner.keep_matmul_outputs = lambda model, layers: kept_layers.append(layers) or original(model, layers)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: widths.append(t.shape[-1] if t.dim() else 0) or t,
+                                                          lambda t: t):
+                update = update_grads(selective, groups, autocast_dtype=autocast_dtype, micro_batch_tokens=200,
+                                      share_prompts=True, kept_matmul_bytes=kept_bytes)
+        finally:
+            learner.keep_matmul_outputs = original
+        return update, widths, kept_layers
+
+    reference = update_grads(eager, groups, autocast_dtype=autocast_dtype, micro_batch_tokens=200, share_prompts=True)
+    intermediate = eager.config.intermediate_size
+    for kept_bytes, layers in ((0, None), (200 * per_slot, 1), (10**9, 2)):
+        update, widths, kept_layers = update_saving(kept_bytes)
+        assert_same_update(update, reference, loss_atol=loss_atol, grad_rel=grad_rel)
+        if layers is None:  # every layer recomputed whole: only its input is kept
+            assert not kept_layers and intermediate not in widths
+            continue
+        # micro-batches of at most 200 token slots: a budget of 200 slots of one layer's outputs keeps at least one
+        assert kept_layers and min(kept_layers) >= layers
+        # the MLP's gate and up projections (intermediate_size wide) are kept, not recomputed from the layer's input
+        assert widths.count(intermediate) >= 2 * len(kept_layers)
 
 
 # ---- packing: several sequences per row (hardware.micro_batch_tokens), against one padded sequence per row
@@ -436,6 +485,21 @@ def test_shared_prompts_need_packed_rows_and_a_mask_taking_attention(tiny_model,
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="hardware.attention=eager"):
         _attention_mask(model, torch.ones(1, 1, 2, 2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("override, fix", [
+    ("hardware.gradient_checkpointing=false", "hardware.gradient_checkpointing=true"),
+    ("hardware.compile_learner=false", "hardware.compile_learner=true"),
+])
+def test_kept_matmul_outputs_need_checkpointed_compiled_layers(compose, override, fix):
+    from fgrpo.config import ConfigError, validate
+
+    validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=0.5"))
+    with pytest.raises(ConfigError, match=fix):
+        validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=0.5", override))
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=-1"))
+    validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=0", override))  # 0: nothing kept, no need
 
 
 def test_missing_cpp_compiler_is_a_config_error_naming_the_fix():
