@@ -331,6 +331,7 @@ def compile_decoder_layers(model, *, grad_only: bool = False, selective_checkpoi
                 torch.compile(functools.partial(_checkpoint_keeping_matmuls, eager), dynamic=True)
                 if selective_checkpoint else None,
                 eager if grad_only else None)
+            layer.can_keep_matmul_outputs = selective_checkpoint
         else:
             layer.compile(dynamic=True)
     return len(layers)
@@ -375,15 +376,20 @@ def matmul_output_bytes(model, dtype: torch.dtype | None) -> int:
     return widths * (dtype or next(model.parameters()).dtype).itemsize
 
 
-def keep_matmul_outputs(model, layers: int) -> None:
-    """The first ``layers`` decoder layers keep their matmul outputs (selective checkpoint); the others
+def keep_matmul_outputs(model, count: int) -> None:
+    """The first ``count`` decoder layers keep their matmul outputs (selective checkpoint); the others
     are recomputed whole in the backward. Needs :func:`compile_decoder_layers` with ``selective_checkpoint``."""
     if not model.is_gradient_checkpointing:
         raise ValueError("keeping matmul outputs chooses what gradient checkpointing keeps: call "
                          "model.gradient_checkpointing_enable() first (hardware.gradient_checkpointing=true)")
-    for index, layer in enumerate(model.base_model.layers):
-        layer.keeps_matmul_outputs = index < layers
-        layer.gradient_checkpointing = index >= layers  # transformers' whole-layer checkpoint, around the graph
+    decoder_layers = getattr(model.base_model, "layers", [])
+    if not all(getattr(layer, "can_keep_matmul_outputs", False) for layer in decoder_layers):
+        # else a layer taken out of transformers' checkpoint would keep all its activations, silently
+        raise ValueError("keeping matmul outputs needs compile_decoder_layers(model, selective_checkpoint=True) "
+                         "first (hardware.compile_learner=true)")
+    for index, layer in enumerate(decoder_layers):
+        layer.keeps_matmul_outputs = index < count
+        layer.gradient_checkpointing = index >= count  # transformers' whole-layer checkpoint, around the graph
 
 
 @dataclass

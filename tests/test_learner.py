@@ -242,7 +242,11 @@ def test_selective_checkpoint_keeps_matmul_outputs_and_gives_the_eager_gradients
     eager = copy.deepcopy(tiny_model).train()
     eager.set_attn_implementation("eager")
     selective = copy.deepcopy(eager)
+    with pytest.raises(ValueError, match="gradient_checkpointing_enable"):
+        learner.keep_matmul_outputs(selective, 1)
     selective.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="selective_checkpoint=True"):
+        learner.keep_matmul_outputs(selective, 1)
     assert compile_decoder_layers(selective, selective_checkpoint=True) == 2
     groups = grouped_seqs(prompts=3, samples=4, seed=15)
     per_slot = matmul_output_bytes(selective, autocast_dtype)
