@@ -544,12 +544,13 @@ def update_policy(
     loss_total = 0.0
     padded_tokens = computed_tokens = kept_slots = 0
     width_cost = attention_width_cost(model)
+    kept_per_slot = matmul_output_bytes(model, autocast_dtype) if kept_matmul_bytes else 0
     for micro in micro_batches(seqs, size=micro_batch_size, tokens=micro_batch_tokens, width_cost=width_cost,
                                share_prompts=share_prompts):
         padded_tokens += micro.padded_tokens
         computed_tokens += micro.real_tokens
         if kept_matmul_bytes:
-            layers = kept_matmul_bytes // (micro.padded_tokens * matmul_output_bytes(model, autocast_dtype))
+            layers = kept_matmul_bytes // (micro.padded_tokens * kept_per_slot)
             keep_matmul_outputs(model, layers)
             kept_slots += micro.padded_tokens * min(layers, model.config.num_hidden_layers)
         logp, mask, entropy = completion_logprobs(
