@@ -223,6 +223,7 @@ def child_ours(spec: dict) -> dict:
                        + (f"packed rows, micro-batches of at most {hw.micro_batch_tokens} token slots"
                           if hw.get("micro_batch_tokens") else f"micro-batch {hw.micro_batch_size}")
                        + (", shared prompts" if hw.get("micro_batch_tokens") and hw.get("share_prompts") else "")
+                       + f", {hw.attention} attention"
                        + (", gradient checkpointing" if hw.gradient_checkpointing else "")
                        + (f" keeping up to {hw.keep_matmul_outputs_gib} GiB of matmul outputs"
                           if hw.gradient_checkpointing and hw.get("keep_matmul_outputs_gib") else "")}

@@ -94,7 +94,9 @@ class HardwareConfig:
     # with micro_batch_tokens: a prompt's samples may follow one copy of it in a row (its G copies computed once)
     share_prompts: bool = False
     threads: int = 0  # torch threads on CPU; 0 = all cores
-    attention: str = "sdpa"  # the learner's attention kernel: sdpa | eager (faster for short sequences on CPU)
+    # the learner's attention kernel: sdpa | eager (faster for short sequences on CPU) | segments (eager over
+    # each prompt and completion's own keys in packed rows: fgrpo.segment_attention)
+    attention: str = "sdpa"
     compile_learner: bool = False  # torch.compile the learner's decoder layers (needs a C++ compiler on CPU)
     sampler_kv_cache_gib: float = 2.0  # vLLM on CPU: KV cache size
     sampler_gpu_memory_utilization: float = 0.35  # vLLM on GPU: the learner shares the card
@@ -215,7 +217,8 @@ def validate(cfg: DictConfig | Config) -> None:
     need(cfg.hardware.micro_batch_size >= 1, "hardware.micro_batch_size", cfg.hardware.micro_batch_size, "must be >= 1")
     tokens = cfg.hardware.get("micro_batch_tokens")
     need(tokens is None or tokens >= 1, "hardware.micro_batch_tokens", tokens, "must be >= 1, or null to pad each sequence")
-    need(cfg.hardware.attention in ("sdpa", "eager"), "hardware.attention", cfg.hardware.attention, "must be sdpa or eager")
+    need(cfg.hardware.attention in ("sdpa", "eager", "segments"), "hardware.attention", cfg.hardware.attention,
+         "must be sdpa, eager or segments")
     need(not cfg.hardware.get("share_prompts") or tokens is not None, "hardware.share_prompts", True,
          "needs packed rows: set hardware.micro_batch_tokens (e.g. 4096), or hardware.share_prompts=false")
     kept = cfg.hardware.keep_matmul_outputs_gib

@@ -16,6 +16,7 @@ import torch
 
 from fgrpo.logprobs import token_logprobs
 from fgrpo.losses import policy_loss
+from fgrpo.segment_attention import SEGMENT_ATTENTION, segment_buckets
 
 
 @dataclass
@@ -38,10 +39,14 @@ class RowLayout:
     predict_at: torch.Tensor  # [N]: flat index r * W + t of the hidden state that predicts each completion token
     allowed: torch.Tensor | None  # [R, 1, W, W] bool (query, key); None: transformers' packed mask from the positions
     real_tokens: int  # token slots holding prompt or completion tokens (a shared prompt counts once)
+    # (query start, query length, prompt start, prompt length) in flat slots: each prompt copy (prompt length 0)
+    # and each completion; what fgrpo.segment_attention computes instead of the dense masked square
+    segments: list[tuple[int, int, int, int]]
 
 
 def _lay_out_rows(
-    seqs: list[Sequence], rows: list[list[int]], pad_id: int, device, *, share_prompts: bool = False
+    seqs: list[Sequence], rows: list[list[int]], pad_id: int, device, *, share_prompts: bool = False,
+    dense_mask: bool = True,
 ) -> RowLayout:
     """Token ids, positions and the prediction index for ``seqs`` laid out in ``rows`` (indices into ``seqs``).
 
@@ -53,6 +58,7 @@ def _lay_out_rows(
     completion the log-probs of its own unshared sequence while the prompt is computed once.
     ``predict_at`` lists, sequence by sequence in ``seqs``' order, where each completion token is
     predicted from: the prompt's last token for the first, then the completion's own tokens.
+    ``dense_mask=False`` leaves ``allowed`` out (segment attention reads ``segments`` instead).
     """
     if any(not seqs[i].prompt_ids for row in rows for i in row):  # a first completion token needs a predictor
         raise ValueError("a sequence needs at least one prompt token (e.g. BOS)")
@@ -67,6 +73,7 @@ def _lay_out_rows(
     unit_of = torch.arange(len(rows) * width).view(len(rows), width)
     completion_of = torch.full((len(rows), width), -1, dtype=torch.long)
     predict_at: list[torch.Tensor | None] = [None] * len(seqs)
+    segments: list[tuple[int, int, int, int]] = []
     for r, row_units in enumerate(units):
         start = 0
         for unit in row_units:
@@ -74,12 +81,14 @@ def _lay_out_rows(
             unit_start = start
             input_ids[r, start : start + len(prompt)] = torch.tensor(prompt)
             position_ids[r, start : start + len(prompt)] = torch.arange(len(prompt))
+            segments.append((r * width + start, len(prompt), 0, 0))
             start += len(prompt)
             for i in unit:
                 completion = seqs[i].completion_ids
                 input_ids[r, start : start + len(completion)] = torch.tensor(completion, dtype=torch.long)
                 position_ids[r, start : start + len(completion)] = torch.arange(len(prompt), len(prompt) + len(completion))
                 completion_of[r, start : start + len(completion)] = i
+                segments.append((r * width + start, len(completion), r * width + unit_start, len(prompt)))
                 # the hidden state at t predicts the token after t: the prompt's last token predicts the first
                 # completion token, completion token j - 1 predicts token j
                 flat = r * width
@@ -89,13 +98,13 @@ def _lay_out_rows(
             unit_of[r, unit_start:start] = unit_of[r, unit_start]
         position_ids[r, start:] = torch.arange(width - start)
     allowed = None
-    if shared:
+    if shared and dense_mask:  # segment attention needs only the segments
         causal = torch.ones(width, width, dtype=torch.bool).tril()
         same_unit = unit_of[:, :, None] == unit_of[:, None, :]
         key_visible = (completion_of[:, None, :] == -1) | (completion_of[:, None, :] == completion_of[:, :, None])
         allowed = (causal & same_unit & key_visible)[:, None].to(device)
     return RowLayout(input_ids.to(device), position_ids.to(device), torch.cat(predict_at).to(device), allowed,
-                     sum(fills))
+                     sum(fills), segments)
 
 
 def _prompt_units(seqs: list[Sequence], row: list[int], share_prompts: bool) -> list[list[int]]:
@@ -169,14 +178,23 @@ def completion_logprobs(
     device = next(model.parameters()).device
     if rows is None:
         rows = [[i] for i in range(len(seqs))]
-    layout = _lay_out_rows(seqs, rows, pad_id, device, share_prompts=share_prompts)
-    attention_mask = None if layout.allowed is None else _attention_mask(model, layout.allowed)
+    segments = uses_segment_attention(model)
+    layout = _lay_out_rows(seqs, rows, pad_id, device, share_prompts=share_prompts, dense_mask=not segments)
+    segment_kwargs = {}
+    if segments:
+        # each segment gathers its own keys; an empty 4D mask, which transformers passes on as it is, keeps it
+        # from building a [R, 1, W, W] one from the positions
+        attention_mask = torch.ones(layout.input_ids.shape[0], 1, 0, 0, dtype=torch.bool, device=device)
+        queries, keys, allowed = segment_buckets(layout.segments, layout.input_ids.numel(), device)
+        segment_kwargs = dict(segment_queries=queries, segment_keys=keys, segment_allowed=allowed)
+    else:
+        attention_mask = None if layout.allowed is None else _attention_mask(model, layout.allowed)
     targets = torch.tensor([t for s in seqs for t in s.completion_ids], dtype=torch.long, device=device)
     head = model.get_output_embeddings()
     fused = fused_head and not (with_entropy and entropy_grad) and getattr(head, "bias", None) is None
     with mixed_precision(device.type, autocast_dtype):
         hidden = model.base_model(input_ids=layout.input_ids, position_ids=layout.position_ids,
-                                  attention_mask=attention_mask, use_cache=False).last_hidden_state
+                                  attention_mask=attention_mask, use_cache=False, **segment_kwargs).last_hidden_state
         # only completion positions go through the LM head: [N, hidden] -> [N, vocab]
         selected_hidden = hidden.flatten(0, 1)[layout.predict_at]
         if not fused:
@@ -207,9 +225,6 @@ def completion_logprobs(
     return logp, mask, entropy
 
 
-SHARED_PROMPT_ATTENTION = ("eager", "sdpa")  # attention implementations that take a custom 4D mask
-
-
 def _attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
     """``allowed`` [R, 1, W, W] in the form the model's attention takes: sdpa a bool mask, eager an additive one."""
     implementation = model.config._attn_implementation
@@ -218,8 +233,8 @@ def _attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
     if implementation == "eager":
         dtype = next(model.parameters()).dtype
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-    raise ValueError(f"shared prompts need eager or sdpa attention, not {implementation!r}: set "
-                     "hardware.attention=eager (or sdpa), or hardware.share_prompts=false")
+    raise ValueError(f"shared prompts need eager, sdpa or segments attention, not {implementation!r}: set "
+                     "hardware.attention=segments (or eager, sdpa), or hardware.share_prompts=false")
 
 
 def require_cpp_compiler() -> None:
@@ -322,6 +337,11 @@ def compile_decoder_layers(model, *, grad_only: bool = False, selective_checkpoi
     layers = getattr(model.base_model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         return 0
+    # sizes that happen to be equal on the first compile (a segment bucket's count and its length, say) would
+    # otherwise be guarded equal, and each new coincidence recompiles (about 20 s; after 8, torch runs eager)
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False
     for layer in layers:
         eager = layer._call_impl
         if grad_only or selective_checkpoint:
@@ -403,7 +423,7 @@ class MicroBatch:
 
 def micro_batches(
     seqs: list[Sequence], *, size: int, tokens: int | None = None, width_cost: float = 0.0,
-    share_prompts: bool = False,
+    share_prompts: bool = False, one_row: bool = False,
 ) -> list[MicroBatch]:
     """Split a step's sequences for gradient accumulation.
 
@@ -417,6 +437,11 @@ def micro_batches(
     The work of a micro-batch is ``slots * (1 + width * width_cost)``: attention over a row costs in
     proportion to its width (:func:`attention_width_cost`). None: ``size`` sequences per
     micro-batch, sorted by length, one per row.
+    ``one_row`` (with ``tokens``; for segment attention, where a row's width costs nothing): each
+    micro-batch is one row without padding; the candidate layouts' rows are packed into micro-batches
+    by the tokens they hold, and the layout with the fewest slots (then micro-batches) is kept. The
+    batch dimension is then always 1, which torch.compile would otherwise recompile for when it first
+    turns up.
     """
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
     if tokens is None:
@@ -444,6 +469,8 @@ def micro_batches(
                 rows = [sorted((i for u in row for i in units[u]), key=lambda i: (seqs[i].prompt_ids, i))
                         for row in pack_rows(unit_lengths, width)]
                 layouts.append((rows, [_units_length(seqs, _prompt_units(seqs, row, True)) for row in rows], True))
+    if one_row:
+        return _one_row_micro_batches(seqs, layouts, tokens)
     best, best_shared, best_work = [], False, math.inf
     for rows, fills, shared in layouts:
         batches = _fill_micro_batches(rows, fills, tokens)
@@ -459,13 +486,42 @@ def micro_batches(
     return out
 
 
+def _one_row_micro_batches(
+    seqs: list[Sequence], layouts: list[tuple[list[list[int]], list[int], bool]], tokens: int
+) -> list[MicroBatch]:
+    """Each candidate layout's rows packed into micro-batches of at most ``tokens`` slots, each laid out as one
+    row; the layout with the fewest slots in all, then the fewest micro-batches. A row over ``tokens`` goes alone."""
+    best: list[tuple[list[int], int]] = []
+    best_shared, best_key = False, (math.inf, math.inf)
+    for rows, fills, shared in layouts:
+        batches = []
+        for packed in pack_rows(fills, tokens):
+            order = [i for r in packed for i in rows[r]]
+            if shared:  # parts of one group side by side, so that they share one prompt copy
+                order.sort(key=lambda i: (seqs[i].prompt_ids, i))
+            batches.append((order, _units_length(seqs, _prompt_units(seqs, order, shared))))
+        key = (sum(slots for _, slots in batches), len(batches))
+        if key < best_key:
+            best, best_shared, best_key = batches, shared, key
+    return [MicroBatch([seqs[i] for i in order], [list(range(len(order)))], slots, slots, best_shared)
+            for order, slots in best]
+
+
+def uses_segment_attention(model) -> bool:
+    """Whether ``model`` attends through fgrpo.segment_attention (hardware.attention=segments)."""
+    return model.config._attn_implementation == SEGMENT_ATTENTION
+
+
 def attention_width_cost(model) -> float:
     """Attention's work per token slot and unit of row width, relative to the rest of a decoder layer.
 
     Per token, a layer's matmuls take ``2 * P`` FLOPs (P: its parameters) and attention over a row of
     width W ``4 * W * hidden`` (scores and weighted sum; the eager kernel computes the masked ones
-    too), so the ratio is ``W * 2 * hidden / P``. 0 where the model has no decoder-layer list.
+    too), so the ratio is ``W * 2 * hidden / P``. 0 where the model has no decoder-layer list, and with
+    segment attention, whose work does not grow with the row width (each segment's keys are gathered).
     """
+    if uses_segment_attention(model):
+        return 0.0
     layers = getattr(model.base_model, "layers", None)
     hidden = getattr(model.config, "hidden_size", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers) or not hidden:
@@ -500,7 +556,7 @@ def fill_old_logprobs(
     model.eval()
     width_cost = attention_width_cost(model)
     for micro in micro_batches(seqs, size=micro_batch_size, tokens=micro_batch_tokens, width_cost=width_cost,
-                               share_prompts=share_prompts):
+                               share_prompts=share_prompts, one_row=uses_segment_attention(model)):
         logp, mask, _ = completion_logprobs(
             model, micro.seqs, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype, rows=micro.rows,
             share_prompts=micro.share_prompts,
@@ -546,7 +602,7 @@ def update_policy(
     width_cost = attention_width_cost(model)
     kept_per_slot = matmul_output_bytes(model, autocast_dtype) if kept_matmul_bytes else 0
     for micro in micro_batches(seqs, size=micro_batch_size, tokens=micro_batch_tokens, width_cost=width_cost,
-                               share_prompts=share_prompts):
+                               share_prompts=share_prompts, one_row=uses_segment_attention(model)):
         padded_tokens += micro.padded_tokens
         computed_tokens += micro.real_tokens
         if kept_matmul_bytes:

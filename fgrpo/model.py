@@ -194,10 +194,23 @@ def load_tokenizer(folder: Path):
 
 
 def load_policy(folder: Path, *, dtype: str, device: str, attention: str = "sdpa"):
-    """The trainable model, in train mode, on ``device``, with ``attention`` (sdpa | eager) as its kernel."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """The trainable model, in train mode, on ``device``, with ``attention`` (sdpa | eager | segments) as its kernel.
 
+    ``segments``: fgrpo.segment_attention in the learner's packed rows (eager attention elsewhere);
+    only for the architectures in ``SEGMENT_ATTENTION_MODELS``.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if attention == "segments":
+        from fgrpo.config import ConfigError
+        from fgrpo.segment_attention import SEGMENT_ATTENTION, SEGMENT_ATTENTION_MODELS
+
+        model_type = AutoConfig.from_pretrained(folder).model_type
+        if model_type not in SEGMENT_ATTENTION_MODELS:
+            raise ConfigError(f"hardware.attention=segments supports {', '.join(SEGMENT_ATTENTION_MODELS)} models, "
+                              f"not {model_type!r}: set hardware.attention=eager (or sdpa)")
+        attention = SEGMENT_ATTENTION
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, TORCH_DTYPES[dtype]),
                                                  attn_implementation=attention)
     model.to(device)

@@ -74,7 +74,7 @@ def test_unknown_group_option_lists_choices(compose):
         ("sampler.temperature=0", "sampler.temperature"),
         ("eval.n_samples=0", "eval.n_samples"),
         ("logger.mode=sometimes", "logger.mode"),
-        ("hardware.attention=flash", "hardware.attention='flash': must be sdpa or eager"),
+        ("hardware.attention=flash", "hardware.attention='flash': must be sdpa, eager or segments"),
         ("hardware.sampler_kv_cache_gib=0", "hardware.sampler_kv_cache_gib=0.0: must be > 0"),
     ],
 )
@@ -91,5 +91,6 @@ def test_several_problems_are_reported_together(compose):
 
 def test_cpu_defaults_are_the_fast_path(compose):
     hardware = compose().hardware
-    assert (hardware.attention, hardware.compile_learner, hardware.autocast_dtype) == ("eager", True, "bfloat16")
+    assert (hardware.attention, hardware.compile_learner, hardware.autocast_dtype) == ("segments", True, "bfloat16")
+    assert hardware.share_prompts and hardware.gradient_checkpointing and hardware.keep_matmul_outputs_gib == 0.3
     assert compose("hardware.sampler_kv_cache_gib=0.25").hardware.sampler_kv_cache_gib == 0.25  # fractions allowed

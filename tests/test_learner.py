@@ -7,6 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fgrpo.learner import Sequence, completion_logprobs, fill_old_logprobs, update_policy
+from fgrpo.segment_attention import SEGMENT_ATTENTION
 
 
 def make_seqs(seed=0, count=6):
@@ -198,13 +199,16 @@ def test_grad_only_compiled_layers_learn_compiled_and_generate_eager(tiny_model)
     (None, 1e-5, 1e-4),
     (torch.bfloat16, 1e-3, 0.02),
 ])
-def test_checkpointed_compiled_layers_give_the_eager_gradients(tiny_model, autocast_dtype, loss_atol, grad_rel):
+@pytest.mark.parametrize("attention", ["eager", SEGMENT_ATTENTION])
+def test_checkpointed_compiled_layers_give_the_eager_gradients(tiny_model, autocast_dtype, loss_atol, grad_rel,
+                                                               attention):
     """The CPU default (hardware=cpu): compiled layers recomputed in the backward instead of kept."""
     from fgrpo.learner import compile_decoder_layers
 
     eager = copy.deepcopy(tiny_model).train()
     eager.set_attn_implementation("eager")
     checkpointed = copy.deepcopy(eager)
+    checkpointed.set_attn_implementation(attention)
     checkpointed.gradient_checkpointing_enable()
     # each layer runs twice per micro-batch when it is recomputed: count it on an uncompiled copy (a pre-hook:
     # the recompute stops early, before a post-hook would run)
@@ -220,7 +224,7 @@ def test_checkpointed_compiled_layers_give_the_eager_gradients(tiny_model, autoc
     # and packed, as hardware=cpu runs it (micro_batch_tokens): rows of several sequences through the compiled graph
     assert_same_update(update_grads(checkpointed, seqs, autocast_dtype=autocast_dtype, micro_batch_tokens=40),
                        update_grads(eager, seqs, autocast_dtype=autocast_dtype), loss_atol=loss_atol, grad_rel=grad_rel)
-    # and with shared prompts (the 4D mask goes through the compiled graph too)
+    # and with shared prompts (the 4D mask, or the segments' index tensors, go through the compiled graph too)
     groups = grouped_seqs(prompts=3, samples=4, seed=14)
     shared = update_grads(checkpointed, groups, autocast_dtype=autocast_dtype, micro_batch_tokens=200, share_prompts=True)
     assert shared[0]["computed_tokens"] < sum(len(s.prompt_ids) + len(s.completion_ids) for s in groups)
@@ -232,8 +236,9 @@ def test_checkpointed_compiled_layers_give_the_eager_gradients(tiny_model, autoc
     (None, 1e-5, 1e-4),
     (torch.bfloat16, 1e-3, 0.02),
 ])
+@pytest.mark.parametrize("attention", ["eager", SEGMENT_ATTENTION])
 def test_selective_checkpoint_keeps_matmul_outputs_and_gives_the_eager_gradients(
-        tiny_model, autocast_dtype, loss_atol, grad_rel):
+        tiny_model, autocast_dtype, loss_atol, grad_rel, attention):
     """hardware.keep_matmul_outputs_gib: layers that keep their matmul outputs recompute norms, attention and SiLU
     in the backward but not the matmuls; the others are recomputed whole; the update is the eager one."""
     import fgrpo.learner as learner
@@ -242,6 +247,7 @@ def test_selective_checkpoint_keeps_matmul_outputs_and_gives_the_eager_gradients
     eager = copy.deepcopy(tiny_model).train()
     eager.set_attn_implementation("eager")
     selective = copy.deepcopy(eager)
+    selective.set_attn_implementation(attention)
     with pytest.raises(ValueError, match="gradient_checkpointing_enable"):
         learner.keep_matmul_outputs(selective, 1)
     selective.gradient_checkpointing_enable()
@@ -324,6 +330,33 @@ def test_token_budget_micro_batches_hold_every_sequence_once_within_the_budget(s
     assert sum(lengths) <= slots <= 1.05 * sum(m.padded_tokens for m in padded)
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_one_row_micro_batches_have_no_padding_and_stay_within_the_budget(share):
+    """Segment attention: one row per micro-batch, every slot a token, a shared prompt once per micro-batch."""
+    from fgrpo.learner import _prompt_units, _units_length, micro_batches
+
+    seqs = grouped_seqs(prompts=5, samples=8, seed=21)
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
+    groups = [[i for i in range(len(seqs)) if seqs[i].prompt_ids == seqs[k].prompt_ids] for k in range(0, 40, 8)]
+    longest = max(_units_length(seqs, [g]) for g in groups) if share else max(lengths)
+    for tokens in (30, 100, 400, 10_000):
+        micros = micro_batches(seqs, size=4, tokens=tokens, share_prompts=share, one_row=True)
+        assert sorted(id(s) for m in micros for s in m.seqs) == sorted(id(s) for s in seqs)
+        for m in micros:
+            assert m.rows == [list(range(len(m.seqs)))]
+            assert m.padded_tokens == m.real_tokens == _units_length(m.seqs, _prompt_units(m.seqs, m.rows[0], share))
+            # over the budget only as a lone row of the layout, at most as long as the longest sequence or group
+            assert m.padded_tokens <= max(tokens, longest)
+        unshared = sum(lengths)
+        total = sum(m.real_tokens for m in micros)
+        assert total == unshared if not share else total < unshared
+    # the whole step in one micro-batch: each group's prompt computed once
+    (whole,) = micro_batches(seqs, size=4, tokens=10_000, share_prompts=share, one_row=True)
+    prompts = {tuple(s.prompt_ids) for s in seqs}
+    if share:
+        assert whole.real_tokens == sum(len(p) for p in prompts) + sum(len(s.completion_ids) for s in seqs)
+
+
 def test_token_budget_holds_when_the_longest_sequence_is_over_half_of_it():
     from fgrpo.learner import micro_batches
 
@@ -363,6 +396,9 @@ def test_micro_batch_layout_weighs_padding_against_row_width(tiny_model):
 
     assert max(widths(0.0)) > longest  # attention free: the wide rows, least padding
     assert max(widths(1.0)) == longest  # attention dear: one sequence per row
+    segments = copy.deepcopy(tiny_model)
+    segments.set_attn_implementation(SEGMENT_ATTENTION)
+    assert attention_width_cost(segments) == 0.0  # each segment gathers its own keys, whatever the row width
 
 
 def tiny_qwen2():
@@ -375,7 +411,7 @@ def tiny_qwen2():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa", SEGMENT_ATTENTION])
 def test_packed_rows_give_each_sequence_its_own_logprobs(tiny_model, arch, attention):
     """Sequences sharing a row see only themselves: their log-probs are those of each one run alone."""
     from fgrpo.learner import pack_rows
@@ -427,7 +463,7 @@ def grouped_seqs(prompts, samples, seed=0):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa", SEGMENT_ATTENTION])
 def test_shared_prompt_rows_give_each_sequence_its_own_logprobs(tiny_model, arch, attention):
     """A completion behind a shared prompt sees the prompt and itself only: its own sequence's log-probs."""
     from fgrpo.learner import _lay_out_rows
@@ -487,7 +523,7 @@ def test_shared_prompts_need_packed_rows_and_a_mask_taking_attention(tiny_model,
         validate(cfg)
     model = copy.deepcopy(tiny_model)
     model.config._attn_implementation = "flash_attention_2"
-    with pytest.raises(ValueError, match="hardware.attention=eager"):
+    with pytest.raises(ValueError, match="hardware.attention=segments"):
         _attention_mask(model, torch.ones(1, 1, 2, 2, dtype=torch.bool))
 
 
