@@ -173,7 +173,8 @@ def completion_logprobs(
     from the position ids and each sequence attends only to itself: packed rows give the padded
     layout's result without its padding. ``share_prompts``: consecutive sequences in a row with the
     same prompt share one copy of it (:func:`_lay_out_rows`), through an explicit attention mask
-    (eager or sdpa attention only).
+    (eager or sdpa attention). With segment attention (fgrpo.segment_attention) no mask is built:
+    each prompt copy and completion is handed its own keys as index tensors instead.
     """
     device = next(model.parameters()).device
     if rows is None:
