@@ -116,6 +116,27 @@ def evaluate(sampler: Sampler, data: Data, prompt_cache: dict, verifier, cfg: Di
     return metrics, curves
 
 
+def _remember_interrupts() -> list[int]:
+    """Record each SIGINT in the returned list, then raise KeyboardInterrupt as Python does by default.
+
+    The loop checks the list at each step: an interrupt that something caught on the way (torch.compile
+    was seen to) still stops the run. Main thread only; elsewhere the list stays empty.
+    """
+    import signal
+    import threading
+
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        return received
+
+    def on_interrupt(signum, frame):
+        received.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    return received
+
+
 def train(
     cfg: DictConfig, run_dir: Path, *, run_name: str | None = None, overrides: list[str] | None = None
 ) -> dict[str, float]:
@@ -217,7 +238,10 @@ def train(
         before = {k: v for k, v in eval_metrics.items() if k.startswith("eval/pass@") and "_ci_" not in k}
         tracker.log(eval_metrics, step=0)
         progress = tqdm(range(1, cfg.trainer.steps + 1), desc="training", unit="step", dynamic_ncols=True)
+        interrupted = _remember_interrupts()
         for step in progress:
+            if interrupted:  # a Ctrl-C that landed where it was swallowed (seen inside torch.compile) stops here
+                raise KeyboardInterrupt(f"interrupted during step {step - 1}")
             step_start = time.perf_counter()
             verify_seconds = 0.0
             problems = next_problems(cfg.trainer.prompts_per_step)

@@ -209,22 +209,26 @@ def test_vllm_sampler_without_vllm_says_how_to_install(tmp_path):
 def test_interrupted_run_keeps_its_directory_and_metrics(tmp_path):
     command = [sys.executable, str(REPO / "run.py"), f"hydra.run.dir={tmp_path}", *TINY, "sampler=hf",
                "trainer.steps=200", "logger=wandb"]
+    # stderr to a file: a pipe nobody reads fills up with the progress bar and blocks the run
+    stderr = open(tmp_path / "stderr.txt", "w")
     process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "WANDB_MODE": "offline"},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and process.poll() is None:
         if metrics.exists() and any(r.get("step", 0) >= 2 for r in read_metrics(metrics)):
             break
         time.sleep(0.5)
-    assert process.poll() is None, process.stderr.read()[-3000:]
+    assert process.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
     process.send_signal(signal.SIGINT)  # what Ctrl-C (or a Slurm pre-emption warning) delivers
     # exits in seconds here; one CI-like run (a fresh clone, the suite taking 12 instead of 7 min) passed 120 s
     try:
         process.wait(timeout=300)
     except subprocess.TimeoutExpired:
         process.kill()
-        pytest.fail("the run did not stop within 300 s of SIGINT: " + process.stderr.read()[-3000:])
+        pytest.fail("the run did not stop within 300 s of SIGINT: " + (tmp_path / "stderr.txt").read_text()[-3000:])
+    finally:
+        stderr.close()
     assert process.returncode != 0
     rows = read_metrics(metrics)
     assert any("eval/pass@1" in r for r in rows) and any(r.get("step", 0) >= 2 for r in rows)
