@@ -439,8 +439,8 @@ def micro_batches(
     proportion to its width (:func:`attention_width_cost`). None: ``size`` sequences per
     micro-batch, sorted by length, one per row.
     ``one_row`` (with ``tokens``; for segment attention, where a row's width costs nothing): each
-    micro-batch is one row without padding; the candidate layouts' rows are packed into micro-batches
-    by the tokens they hold, and the layout with the fewest slots (then micro-batches) is kept. The
+    micro-batch is one row without padding; sequences, or groups whole or in parts, are packed into
+    micro-batches by the tokens they hold, and the choice with the fewest slots (then micro-batches) is kept. The
     batch dimension is then always 1, which torch.compile would otherwise recompile for when it first
     turns up.
     """
@@ -454,24 +454,26 @@ def micro_batches(
     def widths(longest: int) -> list[int]:  # wider rows only while one still fits the budget
         return sorted({min(int(longest * scale), max(tokens, longest)) for scale in (1, 1.5, 2)})
 
-    # candidate layouts: (rows of sequence indices, the tokens each row holds, whether prompts are shared)
-    layouts = [([[i] for i in range(len(seqs))], lengths, False)]
-    layouts += [(rows, [sum(lengths[i] for i in row) for row in rows], False)
-                for rows in (pack_rows(lengths, width) for width in widths(max(lengths)))]
+    # the pieces a layout is made of: (units of sequence indices, the tokens each unit holds, whether the
+    # unit's sequences share their prompt): single sequences, and with share_prompts each group whole or in 2 or 4 parts
+    pieces = [([[i] for i in range(len(seqs))], lengths, False)]
     if share_prompts:
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, seq in enumerate(seqs):
             groups.setdefault(tuple(seq.prompt_ids), []).append(i)
         for parts in (1, 2, 4):
             units = [group[k::parts] for group in groups.values() for k in range(min(parts, len(group)))]
-            unit_lengths = [_units_length(seqs, [u]) for u in units]
-            for width in widths(max(unit_lengths)):
-                # a row's units sorted by prompt, so parts of one group that share a row share one prompt copy
-                rows = [sorted((i for u in row for i in units[u]), key=lambda i: (seqs[i].prompt_ids, i))
-                        for row in pack_rows(unit_lengths, width)]
-                layouts.append((rows, [_units_length(seqs, _prompt_units(seqs, row, True)) for row in rows], True))
+            pieces.append((units, [_units_length(seqs, [u]) for u in units], True))
     if one_row:
-        return _one_row_micro_batches(seqs, layouts, tokens)
+        return _one_row_micro_batches(seqs, pieces, tokens)
+    # candidate layouts: (rows of sequence indices, the tokens each row holds, whether prompts are shared)
+    layouts = [pieces[0]]
+    for units, unit_lengths, shared in pieces:
+        for width in widths(max(unit_lengths)):
+            rows = [[i for u in row for i in units[u]] for row in pack_rows(unit_lengths, width)]
+            if shared:  # a row's units sorted by prompt, so parts of one group that share a row share one prompt copy
+                rows = [sorted(row, key=lambda i: (seqs[i].prompt_ids, i)) for row in rows]
+            layouts.append((rows, [_units_length(seqs, _prompt_units(seqs, row, shared)) for row in rows], shared))
     best, best_shared, best_work = [], False, math.inf
     for rows, fills, shared in layouts:
         batches = _fill_micro_batches(rows, fills, tokens)
@@ -488,16 +490,16 @@ def micro_batches(
 
 
 def _one_row_micro_batches(
-    seqs: list[Sequence], layouts: list[tuple[list[list[int]], list[int], bool]], tokens: int
+    seqs: list[Sequence], pieces: list[tuple[list[list[int]], list[int], bool]], tokens: int
 ) -> list[MicroBatch]:
-    """Each candidate layout's rows packed into micro-batches of at most ``tokens`` slots, each laid out as one
-    row; the layout with the fewest slots in all, then the fewest micro-batches. A row over ``tokens`` goes alone."""
+    """Each candidate's units packed into micro-batches of at most ``tokens`` slots, each laid out as one row; the
+    candidate with the fewest slots in all, then the fewest micro-batches. A unit over ``tokens`` goes alone."""
     best: list[tuple[list[int], int]] = []
     best_shared, best_key = False, (math.inf, math.inf)
-    for rows, fills, shared in layouts:
+    for units, unit_lengths, shared in pieces:
         batches = []
-        for packed in pack_rows(fills, tokens):
-            order = [i for r in packed for i in rows[r]]
+        for packed in pack_rows(unit_lengths, tokens):
+            order = [i for u in packed for i in units[u]]
             if shared:  # parts of one group side by side, so that they share one prompt copy
                 order.sort(key=lambda i: (seqs[i].prompt_ids, i))
             batches.append((order, _units_length(seqs, _prompt_units(seqs, order, shared))))
