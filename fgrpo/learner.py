@@ -203,7 +203,8 @@ def completion_logprobs(
     if fused:
         if autocast_dtype is not None:
             selected_hidden = selected_hidden.to(autocast_dtype)
-        flat_logp, flat_entropy = token_logprobs(selected_hidden, head.weight, targets, temperature=temperature)
+        flat_logp, flat_entropy = token_logprobs(selected_hidden, head.weight, targets, temperature=temperature,
+                                                 compiled=getattr(head, "compiled_log_softmax", False))
     else:
         logits = logits.float()
         if temperature != 1.0:
@@ -334,6 +335,7 @@ def compile_decoder_layers(model, *, grad_only: bool = False, selective_checkpoi
     that keeps the outputs of its matmuls and recomputes only the rest in the backward (norms, rotary,
     attention scores, SiLU, casts), used where :func:`keep_matmul_outputs` says. A checkpoint around
     a compiled layer cannot see which of its ops are matmuls, so this one sits inside the graph.
+    The LM head's log-softmax passes (fgrpo.logprobs.token_logprobs) are compiled too, from here on.
     """
     layers = getattr(model.base_model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
@@ -355,6 +357,8 @@ def compile_decoder_layers(model, *, grad_only: bool = False, selective_checkpoi
             layer.can_keep_matmul_outputs = selective_checkpoint
         else:
             layer.compile(dynamic=True)
+    # the LM head's log-softmax passes too (fgrpo.logprobs): fused kernels instead of eager passes over fp32 copies
+    model.get_output_embeddings().compiled_log_softmax = True
     return len(layers)
 
 

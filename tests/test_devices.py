@@ -49,20 +49,27 @@ def test_hf_sampler_logprobs_are_the_learners(tiny_folder, device, autocast, tol
         assert (sampled - logp[row, :n].float().cpu()).abs().max() <= tolerance
 
 
-def update_on(device, model, *, autocast_dtype=None):
+def update_on(device, model, *, autocast_dtype=None, attention=None, compiled=False, **learner_options):
     """Loss and gradients (on the CPU) of one on-policy DAPO update of ``model`` moved to ``device``."""
     from omegaconf import OmegaConf
 
+    from fgrpo.learner import compile_decoder_layers
+
     model = copy.deepcopy(model).to(device)
+    if attention:
+        model.set_attn_implementation(attention)
+    if compiled:  # the CPU defaults' learner: checkpointed layers, compiled, that keep their matmul outputs
+        model.gradient_checkpointing_enable()
+        compile_decoder_layers(model, selective_checkpoint=True)
     gen = torch.Generator().manual_seed(3)
-    seqs = [Sequence(torch.randint(1, 97, (5 + i % 3,), generator=gen).tolist(),
-                     torch.randint(1, 97, (3 + i % 4,), generator=gen).tolist(), advantage=(-1.0) ** i)
+    prompts = [torch.randint(1, 97, (5 + i,), generator=gen).tolist() for i in range(2)]  # two groups of 4
+    seqs = [Sequence(prompts[i // 4], torch.randint(1, 97, (3 + i % 4,), generator=gen).tolist(), advantage=(-1.0) ** i)
             for i in range(8)]
     algo = OmegaConf.create(dict(name="dapo", clip_low=0.2, clip_high=0.28, loss_agg="token-mean",
                                  kl_coef=0.0, entropy_coef=0.0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     metrics = update_policy(model, optimizer, seqs, algo_cfg=algo, pad_id=0, temperature=0.8, micro_batch_size=3,
-                            grad_clip=1e9, max_new_tokens=8, autocast_dtype=autocast_dtype)
+                            grad_clip=1e9, max_new_tokens=8, autocast_dtype=autocast_dtype, **learner_options)
     return metrics, {n: p.grad.float().cpu() for n, p in model.named_parameters()}
 
 
@@ -79,6 +86,23 @@ def test_learner_update_on_cuda_matches_cpu_fp32(tiny_model, autocast_dtype, los
     assert gpu_metrics["loss"] == pytest.approx(cpu_metrics["loss"], abs=loss_atol)
     for name, want in cpu_grads.items():
         assert (gpu_grads[name] - want).norm() <= grad_rel * want.norm() + 1e-9, name
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cpu_fast_path_on_cuda_matches_cpu_fp32(tiny_model):
+    """What hardware=cpu runs (segment attention over packed rows with shared prompts, compiled layers keeping
+    their matmul outputs, the compiled LM-head kernels), here in Triton on a GPU in bf16: the CPU fp32 update."""
+    from fgrpo.segment_attention import SEGMENT_ATTENTION
+
+    cpu_metrics, cpu_grads = update_on("cpu", tiny_model)
+    gpu_metrics, gpu_grads = update_on("cuda", tiny_model, autocast_dtype=torch.bfloat16, attention=SEGMENT_ATTENTION,
+                                       compiled=True, micro_batch_tokens=40, share_prompts=True,
+                                       kept_matmul_bytes=2**20)
+    assert gpu_metrics["matmuls_kept_frac"] == 1.0 and gpu_metrics["padding_frac"] == 0.0
+    assert gpu_metrics["loss"] == pytest.approx(cpu_metrics["loss"], abs=2e-3)
+    for name, want in cpu_grads.items():
+        assert (gpu_grads[name] - want).norm() <= 0.03 * want.norm() + 1e-9, name
 
 
 @pytest.mark.gpu

@@ -29,16 +29,18 @@ def grads(fn, hidden, weight, upstream):
     return logp.detach(), entropy.detach(), hidden.grad.clone(), weight.grad.clone()
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 @pytest.mark.parametrize("chunk_rows", [1, 8, 1000])
-def test_values_entropy_and_gradients_equal_the_plain_log_softmax(temperature, chunk_rows):
+def test_values_entropy_and_gradients_equal_the_plain_log_softmax(temperature, chunk_rows, compiled):
     hidden, weight, targets, upstream = leaves()
-    ours = grads(lambda: token_logprobs(hidden, weight, targets, temperature=temperature, chunk_rows=chunk_rows),
-                 hidden, weight, upstream)
+    ours = grads(lambda: token_logprobs(hidden, weight, targets, temperature=temperature, chunk_rows=chunk_rows,
+                                        compiled=compiled), hidden, weight, upstream)
     ref = grads(lambda: plain(hidden, weight, targets, temperature), hidden, weight, upstream)
-    # fp32 throughout: differences are summation order only
+    # fp32 throughout: differences are summation order only (up to 2.3e-5 in the hidden states' gradient at
+    # T=0.6 with an Intel Xeon's BLAS, under 1e-5 on an AMD EPYC)
     for got, want in zip(ours, ref):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
 
 
 def test_bf16_matmuls_stay_within_bf16_rounding_of_the_fp32_result():
@@ -50,6 +52,18 @@ def test_bf16_matmuls_stay_within_bf16_rounding_of_the_fp32_result():
     for got, want in zip(ours[2:], ref[2:]):
         assert got.dtype == want.dtype == torch.float32  # gradients reach the fp32 leaves
         assert (got - want).norm() / want.norm() < 0.02
+
+
+def test_compiled_kernels_give_the_eager_result_in_bf16_at_any_row_count():
+    """The compiled passes read the bf16 logits block as it is; eager upcasts it first: the same numbers."""
+    hidden, weight, targets, upstream = leaves(n=300, h=32, v=1000)
+    for n in (300, 257, 31):  # the row count changes with every batch: one dynamic graph serves them all
+        h, t, u = hidden[:n].detach().bfloat16().requires_grad_(), targets[:n], upstream[:n]
+        eager = grads(lambda: token_logprobs(h, weight, t, temperature=0.7, chunk_rows=64), h, weight, u)
+        fused = grads(lambda: token_logprobs(h, weight, t, temperature=0.7, chunk_rows=64, compiled=True), h, weight, u)
+        for got, want in zip(fused, eager):
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got.float(), want.float(), atol=1e-4, rtol=1e-2)
 
 
 def test_entropy_has_no_gradient_and_logp_is_fp32():

@@ -68,28 +68,31 @@ def test_segment_buckets_allow_exactly_the_dense_masks_pairs(rows, share, bucket
     assert sorted(int(x) for q in queries for x in q[q != pad]) == real_slots(layout)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (none here)")])])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-def test_segment_attention_gives_the_dense_masked_outputs_and_gradients(dtype, atol):
+def test_segment_attention_gives_the_dense_masked_outputs_and_gradients(dtype, atol, device):
     seqs = groups_of(prompts=3, samples=4, seed=2)
     rows = [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
-    layout = _lay_out_rows(seqs, rows, 0, "cpu", share_prompts=True)
+    layout = _lay_out_rows(seqs, rows, 0, device, share_prompts=True)
     module = torch.nn.Module()
     module.num_key_value_groups, module.training = 2, True
     gen = torch.Generator().manual_seed(3)
     r, w = layout.input_ids.shape
-    q, k, v = (torch.randn(r, h, w, 8, generator=gen).to(dtype).requires_grad_() for h in (4, 2, 2))
-    additive = torch.zeros(layout.allowed.shape, dtype=dtype).masked_fill(~layout.allowed, torch.finfo(dtype).min)
+    q, k, v = (torch.randn(r, h, w, 8, generator=gen).to(device, dtype).requires_grad_() for h in (4, 2, 2))
+    additive = torch.zeros(layout.allowed.shape, dtype=dtype, device=device).masked_fill(
+        ~layout.allowed, torch.finfo(dtype).min)
     dense, _ = eager_attention_forward(module, q, k, v, additive, scaling=8**-0.5)
-    queries, keys, allowed = segment_buckets(layout.segments, r * w, "cpu")
+    queries, keys, allowed = segment_buckets(layout.segments, r * w, device)
     ours, weights = segment_attention(module, q, k, v, None, scaling=8**-0.5, segment_queries=queries,
                                       segment_keys=keys, segment_allowed=allowed)
     assert weights is None and ours.shape == dense.shape == (r, w, 4, 8)
-    real = torch.zeros(r * w, dtype=torch.bool)
+    real = torch.zeros(r * w, dtype=torch.bool, device=device)
     real[real_slots(layout)] = True
     real = real.view(r, w)
     torch.testing.assert_close(ours[real].float(), dense[real].float(), atol=atol, rtol=atol)
     assert not ours[~real].any()  # row padding: zeros, and no gradient flows from it
-    upstream = torch.randn(dense.shape, generator=gen).to(dtype) * real[:, :, None, None]
+    upstream = torch.randn(dense.shape, generator=gen).to(device, dtype) * real[:, :, None, None]
     grads_dense = torch.autograd.grad(dense, (q, k, v), upstream)
     grads_ours = torch.autograd.grad(ours, (q, k, v), upstream)
     for ours_grad, dense_grad in zip(grads_ours, grads_dense):
