@@ -8,6 +8,7 @@ is checked before the model loads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -116,25 +117,31 @@ def evaluate(sampler: Sampler, data: Data, prompt_cache: dict, verifier, cfg: Di
     return metrics, curves
 
 
-def _remember_interrupts() -> list[int]:
-    """Record each SIGINT in the returned list, then raise KeyboardInterrupt as Python does by default.
+@contextlib.contextmanager
+def _remembering_interrupts():
+    """Yield a list that records each SIGINT; each one still raises KeyboardInterrupt as Python does by default.
 
     The loop checks the list at each step: an interrupt that something caught on the way (torch.compile
-    was seen to) still stops the run. Main thread only; elsewhere the list stays empty.
+    was seen to) still stops the run. The handler before is restored on the way out (train() may be one
+    call of a longer program). Main thread only; elsewhere the list stays empty.
     """
     import signal
     import threading
 
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        return received
+        yield received
+        return
 
     def on_interrupt(signum, frame):
         received.append(signum)
         signal.default_int_handler(signum, frame)
 
-    signal.signal(signal.SIGINT, on_interrupt)
-    return received
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def train(
@@ -233,12 +240,11 @@ def train(
 
     from tqdm.auto import tqdm
 
-    with tracker:
+    with tracker, _remembering_interrupts() as interrupted:
         eval_metrics, curves["before training"] = _timed_eval(sampler, data, prompt_cache, verifier, cfg, eval_seed)
         before = {k: v for k, v in eval_metrics.items() if k.startswith("eval/pass@") and "_ci_" not in k}
         tracker.log(eval_metrics, step=0)
         progress = tqdm(range(1, cfg.trainer.steps + 1), desc="training", unit="step", dynamic_ncols=True)
-        interrupted = _remember_interrupts()
         for step in progress:
             if interrupted:  # a Ctrl-C that landed where it was swallowed (seen inside torch.compile) stops here
                 raise KeyboardInterrupt(f"interrupted during step {step - 1}")
