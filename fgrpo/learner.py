@@ -285,6 +285,23 @@ def keep_freed_memory() -> bool:
         (m_mmap_threshold, 1 << 30), (m_trim_threshold, 2**31 - 1), (m_top_pad, 64 << 20)))
 
 
+# oneDNN's primitive cache and ideep's kernel cache hold one compiled kernel per matmul shape, 1024 each by default.
+# RL batches change the learner's row width every step, so every step adds kernels that are rarely used again:
+# learner alone, 40 steps at 8x8x32, RSS after each step grew 2.08 -> 2.97 GiB (peak 4.07); with both at 64
+# it stays at 2.10 from step 8 on (peak 3.19), no slower
+KERNEL_CACHE_CAPACITY = 64
+
+
+def bound_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> dict[str, str]:
+    """Cap the CPU matmul kernel caches at ``capacity`` entries, unless the environment already sets them.
+
+    Both libraries read these variables when they first build a kernel, so this must run before the
+    process's first CPU matmul; later it changes nothing. Returns the variables as they now are.
+    """
+    names = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+    return {name: os.environ.setdefault(name, str(capacity)) for name in names}
+
+
 def release_freed_memory() -> bool:
     """Hand the pages of freed blocks back to the OS once per step (glibc ``malloc_trim``).
 

@@ -24,8 +24,8 @@ from omegaconf import DictConfig
 from fgrpo.advantages import focal_weight, group_advantages, success_rate
 from fgrpo.config import ConfigError, to_container, validate
 from fgrpo.data import Problem, arithmetic_problems, build_prompt, load_problems
-from fgrpo.learner import (Sequence, compile_decoder_layers, fill_old_logprobs, keep_freed_memory,
-                           release_freed_memory, require_cpp_compiler, update_policy)
+from fgrpo.learner import (Sequence, bound_kernel_caches, compile_decoder_layers, fill_old_logprobs,
+                           keep_freed_memory, release_freed_memory, require_cpp_compiler, update_policy)
 from fgrpo.metrics import pass_at_k_curve
 from fgrpo.model import load_policy, load_tokenizer, resolve_model_folder
 from fgrpo.samplers import HFSampler, Sampler, VLLMSampler, require_vllm
@@ -163,6 +163,7 @@ def train(
     folder = resolve_model_folder(cfg.model)
     if cfg.hardware.device == "cpu":
         keep_freed_memory()
+        bound_kernel_caches()  # before the first matmul (vLLM's start-up)
 
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
