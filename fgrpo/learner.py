@@ -8,6 +8,7 @@ head runs only on completion positions, so no ``[B, L, vocab]`` logits tensor is
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -362,6 +363,8 @@ def compile_decoder_layers(model, *, grad_only: bool = False, selective_checkpoi
     import torch.fx.experimental._config as fx_config
 
     fx_config.use_duck_shape = False
+    if selective_checkpoint:
+        logging.getLogger("torch._higher_order_ops.wrap").addFilter(_quiet_context_fn_warning)
     for layer in layers:
         eager = layer._call_impl
         if grad_only or selective_checkpoint:
@@ -377,6 +380,13 @@ def compile_decoder_layers(model, *, grad_only: bool = False, selective_checkpoi
     # the LM head's log-softmax passes too (fgrpo.logprobs): fused kernels instead of eager passes over fp32 copies
     model.get_output_embeddings().compiled_log_softmax = True
     return len(layers)
+
+
+def _quiet_context_fn_warning(record: logging.LogRecord) -> bool:
+    """Drops torch's warning that a checkpoint under torch.compile got a ``context_fn`` (ours keeps the
+    matmul outputs): it printed four lines on every run's first step, and what it warns of, in-place ops
+    in the checkpointed region, would show as gradients unlike the eager model's, which tests/test_learner.py checks."""
+    return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
 
 
 def _compiled_call(layer, compiled, compiled_keeping_matmuls, eager, *args, **kwargs):
