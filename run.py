@@ -22,7 +22,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 from fgrpo.config import ConfigError, register_configs
 
@@ -46,13 +46,12 @@ def main(cfg: DictConfig) -> float | None:
         sweep_dir = Path(hydra_cfg.sweep.dir)
         with open_dict(cfg):
             cfg.logger.group = f"sweep-{sweep_dir.parent.name}-{sweep_dir.name}"
-        # Hydra saved the job's config before this: record the group there too
-        saved = run_dir / hydra_cfg.output_subdir / "config.yaml" if hydra_cfg.output_subdir else None
-        if saved is not None and saved.is_file():
-            OmegaConf.save(cfg, saved)
+    # Hydra saved the job's config before this: train() records there what it settles (the W&B group above,
+    # the precision that hardware.*_dtype=auto chose on this machine)
+    saved = run_dir / hydra_cfg.output_subdir / "config.yaml" if hydra_cfg.output_subdir else None
     log.info("run directory: %s%s", run_dir, f" (W&B group {cfg.logger.group})" if sweeping else "")
     try:
-        final = train(cfg, run_dir, run_name=run_name, overrides=list(hydra_cfg.overrides.task))
+        final = train(cfg, run_dir, run_name=run_name, overrides=list(hydra_cfg.overrides.task), saved_config=saved)
     except (ConfigError, DataError, ModelSourceError, SamplerUnavailable) as error:
         log.error("%s", error)
         if sweeping:  # this job fails alone; the sweep goes on and reports it at the end

@@ -2,7 +2,8 @@
 
 One invocation runs, for each workload ``PxGxT`` (prompts per step x samples per prompt x new tokens):
 
-1. **ours**: ``fgrpo.train.train`` (vLLM sampler, bf16-autocast learner, DAPO token-mean loss), and
+1. **ours**: ``fgrpo.train.train`` (vLLM sampler, learner with bf16 autocast where the CPU runs bf16 natively, else fp32;
+   DAPO token-mean loss), and
 2. **trl**: ``trl.GRPOTrainer`` (transformers ``generate``, fp32, ``loss_type="dapo"``, beta 0),
 
 each in its own subprocess (vLLM changes process-wide torch state), on the same model folder, the
@@ -102,9 +103,16 @@ def peak_rss_self_gib() -> float:
 # child: matmul rate
 
 
-def child_matmul(threads: int, device: str = "cpu") -> dict:
-    """Best-of-N torch.matmul rate in fp32 and bf16: 2048^3 on ``threads`` CPU threads, 8192^3 on a GPU."""
+def child_matmul(threads: int, device: str = "cpu", hardware: dict | None = None) -> dict:
+    """Best-of-N torch.matmul rate in fp32 and bf16: 2048^3 on ``threads`` CPU threads, 8192^3 on a GPU.
+
+    On a CPU, bf16 is timed at that size only where ours uses it (``hardware``: ours' dtype keys, ``auto``
+    settled here by fgrpo.precision's probe, as the run settles it): where bf16 is emulated (AVX2-only CPUs,
+    about 200x slower than fp32) one 2048^3 bf16 matmul takes minutes, and the probe's small-shape rate is
+    reported instead (``bf16_source``)."""
     import torch
+
+    from fgrpo.precision import describe_cpu, resolve_precision
 
     cuda = device == "cuda"
     if cuda:
@@ -113,7 +121,18 @@ def child_matmul(threads: int, device: str = "cpu") -> dict:
         torch.set_num_threads(threads)
     n, reps = (8192, 10) if cuda else (2048, 6)
     out = {"threads": threads, "size": n, "reps": reps, "device": torch.cuda.get_device_name() if cuda else "cpu"}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    hardware = hardware or {"autocast_dtype": "auto", "sampler_dtype": "auto"}
+    precision = resolve_precision(device, hardware["autocast_dtype"], hardware["sampler_dtype"])
+    out["precision"] = precision.as_dict()
+    out["cpu"] = describe_cpu()
+    timed = [("fp32", torch.float32)]
+    if cuda or "bfloat16" in (precision.autocast_dtype, precision.sampler_dtype):
+        timed.append(("bf16", torch.bfloat16))
+    else:
+        out["bf16_flops"] = precision.rates.bf16 if precision.rates else float("nan")
+        shape = "x".join(map(str, precision.rates.shape)) if precision.rates else "-"
+        out["bf16_source"] = f"probe {shape} (ours runs no bf16 here: not timed at {n}^3)"
+    for name, dtype in timed:
         a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
         torch.matmul(a, b)  # warm-up (packing, thread pool, cuBLAS heuristics)
         best = float("inf")
@@ -136,6 +155,11 @@ def best_matmul(before: dict, after: dict) -> dict:
         best[key] = max(before[key], after[key])
     best["readings"] = [{key: m[key] for key in ("fp32_flops", "bf16_flops")} for m in (before, after)]
     return best
+
+
+def matmul_dtype(dtype: str | None) -> str:
+    """The matmul reference a phase is held to: ``bf16`` for bf16 matmuls, ``fp32`` for the rest (fp32, none)."""
+    return "bf16" if dtype in ("bfloat16", "bf16") else "fp32"
 
 
 def peak_gpu_gib() -> float | None:
@@ -214,12 +238,16 @@ def child_ours(spec: dict) -> dict:
             "computed_tokens": row.get("perf/learner_computed_tokens", learner_tokens),
             "matmuls_kept_frac": row.get("perf/learner_matmuls_kept_frac", 0.0),
         })
-    hw = cfg.hardware
+    hw = cfg.hardware  # train() settled hardware.*_dtype=auto in place
     sampler = (f"vLLM {_version('vllm')} ({hw.sampler_dtype})" if cfg.sampler.name == "vllm"
                else f"transformers {_version('transformers')} generate ({hw.learner_dtype} + {hw.autocast_dtype} autocast)")
     return {"steps": steps, "params": param_counts(folder), "peak_rss_child_gib": peak_rss_self_gib(),
             "peak_gpu_gib": peak_gpu_gib(), "profiled_step": 1 if spec.get("profile") else None, "sampler": sampler,
-            "learner": f"torch {hw.learner_dtype} + {hw.autocast_dtype} autocast on {hw.device}, "
+            "learner_matmuls": matmul_dtype(hw.autocast_dtype or hw.learner_dtype),
+            "sampler_matmuls": matmul_dtype(hw.sampler_dtype if cfg.sampler.name == "vllm"
+                                            else hw.autocast_dtype or hw.learner_dtype),
+            "learner": f"torch {hw.learner_dtype}" + (f" + {hw.autocast_dtype} autocast" if hw.autocast_dtype else "")
+                       + f" on {hw.device}, "
                        + (f"packed rows, micro-batches of at most {hw.micro_batch_tokens} token slots"
                           if hw.get("micro_batch_tokens") else f"micro-batch {hw.micro_batch_size}")
                        + (", shared prompts" if hw.get("micro_batch_tokens") and hw.get("share_prompts") else "")
@@ -355,7 +383,8 @@ def child_trl(spec: dict) -> dict:
     import trl
 
     return {"steps": steps, "params": param_counts(folder), "peak_rss_child_gib": peak_rss_self_gib(),
-            "peak_gpu_gib": peak_gpu_gib(),
+            "peak_gpu_gib": peak_gpu_gib(), "learner_matmuls": "bf16" if on_gpu else "fp32",
+            "sampler_matmuls": "bf16" if on_gpu else "fp32",
             "sampler": f"transformers {_version('transformers')} generate ({precision})",
             "learner": f"trl {trl.__version__} GRPOTrainer ({precision}, micro-batch {micro} x {accumulation} accumulated"
                        + (", gradient checkpointing" if args.gradient_checkpointing else "") + ")"}
@@ -456,6 +485,12 @@ def summarise(result: dict, p: int, g: int, matmul: dict) -> dict:
     for phase in ("sampler", "learner"):
         for dtype in ("bf16", "fp32"):
             out[f"{phase}_pct_{dtype}"] = 100 * out[f"{phase}_gflop_s"] * 1e9 / matmul[f"{dtype}_flops"]
+        if matmul.get("bf16_source"):  # bf16 only probed (emulated here, nothing ran in it): no bf16 reference
+            out[f"{phase}_pct_bf16"] = None
+        # against the rate of the dtype this phase's matmuls actually run in (fp32 where bf16 is emulated)
+        own = result.get(f"{phase}_matmuls", "bf16")
+        out[f"{phase}_matmuls"] = own
+        out[f"{phase}_pct_own"] = out[f"{phase}_pct_{own}"]
     return out
 
 
@@ -473,9 +508,13 @@ ROWS = [  # (key, label, format)
     ("learner_computed_tokens", "learner positions computed per step (a shared prompt once)", "{:.0f}"),
     ("learner_matmuls_kept_pct", "learner layer slots whose matmuls were kept, not recomputed, %", "{:.0f}"),
     ("sampler_gflop_s", "sampler GFLOP/s", "{:.1f}"),
+    ("sampler_matmuls", "sampler matmul dtype", "{}"),
+    ("sampler_pct_own", "sampler % of matmul in its dtype", "{:.1f}"),
     ("sampler_pct_bf16", "sampler % of bf16 matmul", "{:.1f}"),
     ("sampler_pct_fp32", "sampler % of fp32 matmul", "{:.1f}"),
     ("learner_gflop_s", "learner GFLOP/s", "{:.1f}"),
+    ("learner_matmuls", "learner matmul dtype", "{}"),
+    ("learner_pct_own", "learner % of matmul in its dtype", "{:.1f}"),
     ("learner_pct_bf16", "learner % of bf16 matmul", "{:.1f}"),
     ("learner_pct_fp32", "learner % of fp32 matmul", "{:.1f}"),
     ("peak_rss_gib", "peak RSS GiB", "{:.2f}"),
@@ -493,12 +532,15 @@ def markdown(report: dict) -> str:
         + (f" sampler={report['sampler']}" if report.get("sampler") else "")
         + "".join(f" {o}" for o in report.get("overrides", []))
         + f"; lr {report['lr']}; {report['steps']} steps per run, the first dropped.",
+        f"Precision: {_precision_line(mm)}.",
         f"Matmul {mm['size']}^3 on " + (f"{mm['threads']} threads" if mm.get("device", "cpu") == "cpu" else mm["device"])
-        + f": fp32 {mm['fp32_flops'] / 1e9:.0f} GFLOP/s, "
-        f"bf16 {mm['bf16_flops'] / 1e9:.0f} GFLOP/s (best of {mm.get('reps', 6)}"
-        + (", before and after the runs: " + " and ".join(f"{r['fp32_flops'] / 1e9:.0f} / {r['bf16_flops'] / 1e9:.0f}"
+        + f": fp32 {mm['fp32_flops'] / 1e9:.1f} GFLOP/s, "
+        f"bf16 {mm['bf16_flops'] / 1e9:.1f} GFLOP/s"
+        + (f" from the {mm['bf16_source']}" if mm.get("bf16_source") else "")
+        + f" (best of {mm.get('reps', 6)}"
+        + (", before and after the runs: " + " and ".join(f"{r['fp32_flops'] / 1e9:.1f} / {r['bf16_flops'] / 1e9:.1f}"
                                                            for r in mm["readings"]) if "readings" in mm else "")
-        + ").",
+        + "). Each phase is also held to the matmul rate of the dtype its matmuls run in.",
         "FLOPs: learner 6 x (body params x positions computed + head params x completion tokens), positions "
         "computed = prompt+completion tokens, less a shared prompt's repeats (ours); "
         "sampler 2 x (body params x (prompt tokens x G + generated) + head params x (generated + P x G)); "
@@ -526,23 +568,28 @@ def markdown(report: dict) -> str:
             cells = [fmt.format(wl[s]["summary"][key]) if wl[s]["summary"].get(key) is not None else "-" for s in systems]
             if len(systems) == 2:
                 ours, trl = wl["ours"]["summary"].get(key), wl["trl"]["summary"].get(key)
-                cells.append(f"{trl / ours:.2f}" if ours and trl is not None else "-")
+                numbers = isinstance(ours, (int, float)) and isinstance(trl, (int, float))
+                cells.append(f"{trl / ours:.2f}" if numbers and ours else "-")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
 
-def machine_line() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+def _precision_line(matmul: dict) -> str:
+    """What ours' ``auto`` dtypes became here, and the probe behind it (from the matmul child)."""
+    precision = matmul.get("precision")
+    if not precision:
+        return "-"
+    return (f"ours' learner matmuls in {precision['autocast_dtype'] or 'float32'}, sampler in "
+            f"{precision['sampler_dtype']} ({precision['reason']})")
+
+
+def machine_line(cpu: str | None = None) -> str:
+    """``cpu``: fgrpo.precision.describe_cpu() as a child saw it (name, instruction-set kind, torch's kernels)."""
+    from fgrpo.precision import describe_cpu
+
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()} {platform.release()}"
+    return f"{cpu or describe_cpu()}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()} {platform.release()}"
 
 
 def gpu_line() -> str | None:
@@ -589,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     if args._child:
         spec = json.loads(Path(args._spec).read_text()) if args._spec else {}
         result = {"ours": child_ours, "trl": child_trl}[args._child](spec) if args._child != "matmul" \
-            else child_matmul(spec.get("threads", 2), spec.get("device", "cpu"))
+            else child_matmul(spec.get("threads", 2), spec.get("device", "cpu"), spec.get("hardware"))
         Path(args._result).write_text(json.dumps(result))
         return 0
 
@@ -617,11 +664,17 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--hardware gpu: torch sees no CUDA device (use --hardware cpu)")
     print(f"measuring matmul FLOP/s on {threads} threads ..." if device == "cpu" else "measuring GPU matmul FLOP/s ...",
           file=sys.stderr)
-    matmul = run_child("matmul", {"threads": threads, "device": device}, workdir, workdir / "matmul.log", args.timeout)
+    # ours' dtype keys as composed (auto, unless --set says otherwise): the matmul child settles them as the run will
+    composed = compose_config({"workload": workloads[0], "model": args.model, "steps": args.steps, "lr": args.lr,
+                               "hardware": args.hardware, "sampler": args.sampler, "overrides": args.overrides}).hardware
+    matmul_spec = {"threads": threads, "device": device,
+                   "hardware": {"autocast_dtype": composed.autocast_dtype, "sampler_dtype": composed.sampler_dtype}}
+    matmul = run_child("matmul", matmul_spec, workdir, workdir / "matmul.log", args.timeout)
+    print(f"precision: {_precision_line(matmul)}", file=sys.stderr)
     gpu = gpu_line() if device == "cuda" else None
     report = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": machine_line() + (f"; GPU {gpu}" if gpu else ""),
+        "machine": machine_line(matmul.get("cpu")) + (f"; GPU {gpu}" if gpu else ""),
         "hardware": args.hardware, "sampler": args.sampler, "overrides": args.overrides,
         "versions": ", ".join(f"{name} {_version(name)}" for name in ("torch", "vllm", "transformers", "trl"))
                     + f", python {platform.python_version()}",
@@ -656,8 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     # after the runs and divide by the better reading, so no phase looks closer to the limit than it is
     print("measuring matmul FLOP/s again ...", file=sys.stderr)
     matmul = report["matmul"] = best_matmul(
-        matmul, run_child("matmul", {"threads": threads, "device": device}, workdir, workdir / "matmul-after.log",
-                          args.timeout))
+        matmul, run_child("matmul", matmul_spec, workdir, workdir / "matmul-after.log", args.timeout))
     for name, entry in report["workloads"].items():
         p, g, _ = parse_workload(name)
         for system in systems:
@@ -665,8 +717,10 @@ def main(argv: list[str] | None = None) -> int:
                 entry[system]["summary"] = summarise(entry[system], p, g, matmul)
         if all("summary" in entry.get(s, {}) for s in SYSTEMS):
             entry["ratio_trl_over_ours"] = {key: entry["trl"]["summary"][key] / entry["ours"]["summary"][key]
-                                            for key, _, _ in ROWS if entry["ours"]["summary"].get(key)
-                                            and entry["trl"]["summary"].get(key) is not None}
+                                            for key, _, _ in ROWS
+                                            if isinstance(entry["ours"]["summary"].get(key), (int, float))
+                                            and entry["ours"]["summary"][key]
+                                            and isinstance(entry["trl"]["summary"].get(key), (int, float))}
 
     table = markdown(report)
     print(table)

@@ -12,6 +12,11 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+# the values of hardware.autocast_dtype and hardware.sampler_dtype (fgrpo.precision settles auto); null autocast
+# means the same as float32: the matmuls run in the weights' own dtype
+AUTOCAST_CHOICES = ("auto", "float32", "bfloat16", "float16", None)
+SAMPLER_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
 
 @dataclass
 class ModelConfig:
@@ -86,8 +91,10 @@ class HardwareConfig:
     name: str = MISSING
     device: str = "cpu"  # cpu | cuda
     learner_dtype: str = "float32"  # the weights and the optimizer state
-    autocast_dtype: Optional[str] = None  # matmuls of the learner's forward/backward in this dtype (null: off)
-    sampler_dtype: str = "bfloat16"
+    # matmuls of the learner's forward/backward in this dtype (null or float32: off); auto: bfloat16 where this
+    # machine runs it natively, else off (fgrpo.precision)
+    autocast_dtype: Optional[str] = "auto"
+    sampler_dtype: str = "auto"  # vLLM's weights and activations; auto as autocast_dtype, float32 where bf16 is slow
     micro_batch_size: int = 8  # sequences per micro-batch, padded to the longest (when micro_batch_tokens is null)
     # set: sequences packed several to a row, at most this many token slots (rows x widest row) per micro-batch
     micro_batch_tokens: Optional[int] = None
@@ -102,8 +109,9 @@ class HardwareConfig:
     sampler_gpu_memory_utilization: float = 0.35  # vLLM on GPU: the learner shares the card
     gradient_checkpointing: bool = False
     # with gradient_checkpointing and compile_learner: per micro-batch, up to this much memory keeps layers' matmul
-    # outputs, so that their backward recomputes only the cheap rest (norms, attention scores, SiLU); 0: none kept
-    keep_matmul_outputs_gib: float = 0.0
+    # outputs, so that their backward recomputes only the cheap rest (norms, attention scores, SiLU); 0: none kept;
+    # auto: 0.3 GiB of bf16 outputs or 0.6 of fp32 ones (the same layers), 0 without checkpointed compiled layers
+    keep_matmul_outputs_gib: Any = "auto"
     # what one sweep job asks Slurm for (conf/hydra/launcher/slurm.yaml reads these)
     slurm_cpus_per_task: int = 2
     slurm_gpus_per_node: int = 0
@@ -222,18 +230,21 @@ def validate(cfg: DictConfig | Config) -> None:
     need(not cfg.hardware.get("share_prompts") or tokens is not None, "hardware.share_prompts", True,
          "needs packed rows: set hardware.micro_batch_tokens (e.g. 4096), or hardware.share_prompts=false")
     kept = cfg.hardware.keep_matmul_outputs_gib
-    need(kept >= 0, "hardware.keep_matmul_outputs_gib", kept, "must be >= 0 (GiB per micro-batch; 0 keeps none)")
-    need(kept == 0 or (cfg.hardware.gradient_checkpointing and cfg.hardware.compile_learner),
+    numeric = isinstance(kept, (int, float)) and not isinstance(kept, bool)
+    need(kept == "auto" or (numeric and kept >= 0), "hardware.keep_matmul_outputs_gib", kept,
+         "must be auto or >= 0 (GiB per micro-batch; 0 keeps none)")
+    need(kept in ("auto", 0) or (cfg.hardware.gradient_checkpointing and cfg.hardware.compile_learner),
          "hardware.keep_matmul_outputs_gib", kept, "chooses what gradient checkpointing keeps inside compiled layers: "
          "set hardware.gradient_checkpointing=true and hardware.compile_learner=true, or set it to 0")
     need(cfg.hardware.sampler_kv_cache_gib > 0, "hardware.sampler_kv_cache_gib", cfg.hardware.sampler_kv_cache_gib,
          "must be > 0 (GiB of KV cache for vLLM on CPU, e.g. 0.5)")
-    autocast = cfg.hardware.autocast_dtype
-    need(autocast in (None, "bfloat16", "float16"), "hardware.autocast_dtype", autocast, "must be null, bfloat16 or float16")
-    for key in ("learner_dtype", "sampler_dtype"):
-        value = cfg.hardware[key] if isinstance(cfg, DictConfig) else getattr(cfg.hardware, key)
-        need(value in ("float32", "bfloat16", "float16"), f"hardware.{key}", value,
-             "must be float32, bfloat16 or float16")
+    need(cfg.hardware.autocast_dtype in AUTOCAST_CHOICES, "hardware.autocast_dtype", cfg.hardware.autocast_dtype,
+         "must be auto (bfloat16 where this machine runs it natively), float32 or null (no autocast), bfloat16 or "
+         "float16")
+    need(cfg.hardware.sampler_dtype in SAMPLER_CHOICES, "hardware.sampler_dtype", cfg.hardware.sampler_dtype,
+         "must be auto (bfloat16 where this machine runs it natively, else float32), float32, bfloat16 or float16")
+    need(cfg.hardware.learner_dtype in ("float32", "bfloat16", "float16"), "hardware.learner_dtype",
+         cfg.hardware.learner_dtype, "must be float32, bfloat16 or float16")
     need(cfg.model.source in ("bundled", "random", "hub"), "model.source", cfg.model.source,
          "must be bundled, random or hub")
     need(cfg.model.source != "hub" or bool(cfg.model.path), "model.path", cfg.model.path,

@@ -418,6 +418,17 @@ def _checkpoint_keeping_matmuls(call, *args, **kwargs):
     return checkpoint(call, *args, use_reentrant=False, context_fn=_keeping_matmuls_context, **kwargs)
 
 
+# hardware.keep_matmul_outputs_gib=auto: 0.3 GiB of bf16 outputs, or what keeps the same layers in another dtype.
+# bench, AVX512-BF16, bf16: 0 -> 0.3 GiB: 4x8x64 45.9 -> 52.9% of the bf16 rate (peak RSS 3.28 -> 3.48 GiB).
+# fp32 (AVX2 kernels): 0.3 -> 0.6 GiB: learner 7.81 -> 7.04 s (4x8x64), 24.5 -> 22.0 s (8x8x128), peak +0.14-0.21 GiB
+KEPT_MATMUL_GIB_IN_BF16 = 0.3
+
+
+def auto_kept_matmul_gib(matmul_dtype: torch.dtype) -> float:
+    """The ``auto`` budget of :func:`keep_matmul_outputs` for matmul outputs in ``matmul_dtype``."""
+    return KEPT_MATMUL_GIB_IN_BF16 * matmul_dtype.itemsize / torch.bfloat16.itemsize
+
+
 def matmul_output_bytes(model, dtype: torch.dtype | None) -> int:
     """Bytes per token slot that one decoder layer's kept matmul outputs take (q, k, v, attention output,
     gate and up; the MLP's down projection is not needed by the backward)."""

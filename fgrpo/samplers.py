@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from fgrpo.config import ConfigError
 from fgrpo.learner import discard_pages, mixed_precision
 
 log = logging.getLogger("fgrpo")
@@ -64,14 +65,36 @@ def require_vllm() -> None:
         )
 
 
+def _in_process_vllm() -> None:
+    """The engine must run in this process to receive the learner's weights: set before vllm is imported."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def check_vllm_dtype(dtype: str, device: str) -> None:
+    """Refuse a sampler dtype that vLLM's platform does not run here (float16 on some CPUs, bf16 on older GPUs)
+    with a message naming the key, before any model loads. Refusals for one model type (float16 for Gemma 2,
+    say) come when the engine starts; :class:`VLLMSampler` turns those into the same message."""
+    require_vllm()
+    _in_process_vllm()
+    from vllm.platforms import current_platform
+
+    supported = [str(d).removeprefix("torch.") for d in current_platform.supported_dtypes]
+    if dtype not in supported:
+        raise ConfigError(_vllm_dtype_refused(dtype, f"vLLM on this {device} runs only {', '.join(supported)}"))
+
+
+def _vllm_dtype_refused(dtype: str, why: str) -> str:
+    return (f"hardware.sampler_dtype={dtype}: {why}. Set hardware.sampler_dtype=auto (bfloat16 where this machine "
+            f"runs it natively, else float32), or float32 / bfloat16 by hand")
+
+
 class VLLMSampler:
     """vLLM's engine in this process; ``update_weights`` copies the learner's tensors into it."""
 
     def __init__(self, model_folder, *, dtype: str, max_model_len: int, seed: int, device: str,
                  kv_cache_gib: float = 2.0, gpu_memory_utilization: float = 0.35, max_num_seqs: int = 256):
         require_vllm()
-        # the engine must run in-process to receive weights; set before vllm is imported
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        _in_process_vllm()
         from vllm import LLM
 
         kwargs = dict(
@@ -88,7 +111,12 @@ class VLLMSampler:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         elif not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vLLM's own variable (whole GiB) wins when set
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except ValueError as error:  # e.g. "The model type 'gemma2' does not support float16"
+            if dtype in str(error):
+                raise ConfigError(_vllm_dtype_refused(dtype, f"vLLM refuses it for this model ({error})")) from None
+            raise
         self.dtype = getattr(torch, dtype)
         self.device = device
         self.tokenizer = self.llm.get_tokenizer()

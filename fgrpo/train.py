@@ -19,16 +19,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from fgrpo.advantages import focal_weight, group_advantages, success_rate
 from fgrpo.config import ConfigError, to_container, validate
 from fgrpo.data import Problem, arithmetic_problems, build_prompt, load_problems
-from fgrpo.learner import (Sequence, bound_kernel_caches, compile_decoder_layers, fill_old_logprobs,
-                           keep_freed_memory, release_freed_memory, require_cpp_compiler, update_policy)
+from fgrpo.learner import (Sequence, auto_kept_matmul_gib, bound_kernel_caches, compile_decoder_layers,
+                           fill_old_logprobs, keep_freed_memory, release_freed_memory, require_cpp_compiler,
+                           update_policy)
 from fgrpo.metrics import pass_at_k_curve
 from fgrpo.model import load_policy, load_tokenizer, resolve_model_folder
-from fgrpo.samplers import HFSampler, Sampler, VLLMSampler, require_vllm
+from fgrpo.precision import resolve_precision
+from fgrpo.samplers import HFSampler, Sampler, VLLMSampler, check_vllm_dtype, require_vllm
 from fgrpo.tracking import Tracker, plot_pass_at_k
 from fgrpo.verifier import make_verifier
 
@@ -144,12 +146,37 @@ def _remembering_interrupts():
         signal.signal(signal.SIGINT, previous)
 
 
+def settle_hardware(cfg: DictConfig, saved_config: Path | None = None):
+    """Replace ``auto`` in ``hardware.autocast_dtype`` / ``sampler_dtype`` by what this machine runs fast
+    (fgrpo.precision) and in ``hardware.keep_matmul_outputs_gib`` by the budget for that dtype, log the choice
+    and its reason, and write the settled config to ``saved_config`` (the run's ``.hydra/config.yaml``) so that
+    the run directory says what ran. Before the model loads; returns the :class:`~fgrpo.precision.Precision`."""
+    hw = cfg.hardware
+    precision = resolve_precision(hw.device, hw.autocast_dtype, hw.sampler_dtype)
+    hw.autocast_dtype, hw.sampler_dtype = precision.autocast_dtype, precision.sampler_dtype
+    if hw.keep_matmul_outputs_gib == "auto":
+        selective = hw.gradient_checkpointing and hw.compile_learner
+        matmul_dtype = getattr(torch, hw.autocast_dtype or hw.learner_dtype)
+        hw.keep_matmul_outputs_gib = auto_kept_matmul_gib(matmul_dtype) if selective else 0.0
+    log.info("precision: learner matmuls in %s (%s weights%s), sampler in %s; %s%s",
+             hw.autocast_dtype or hw.learner_dtype, hw.learner_dtype,
+             f", up to {hw.keep_matmul_outputs_gib:g} GiB of matmul outputs kept" if hw.keep_matmul_outputs_gib else "",
+             hw.sampler_dtype, f"{precision.cpu}: " if precision.cpu else "", precision.reason)
+    if cfg.sampler.name == "vllm":
+        check_vllm_dtype(hw.sampler_dtype, hw.device)
+    if saved_config is not None and saved_config.is_file():
+        OmegaConf.save(cfg, saved_config)
+    return precision
+
+
 def train(
-    cfg: DictConfig, run_dir: Path, *, run_name: str | None = None, overrides: list[str] | None = None
+    cfg: DictConfig, run_dir: Path, *, run_name: str | None = None, overrides: list[str] | None = None,
+    saved_config: Path | None = None,
 ) -> dict[str, float]:
     """Run one experiment; returns the final evaluation metrics. Writes everything into ``run_dir``.
 
-    ``overrides`` (the command line's) go into the W&B config beside the composed config.
+    ``overrides`` (the command line's) go into the W&B config beside the composed config. ``saved_config``:
+    the run's saved config file (Hydra's ``.hydra/config.yaml``), rewritten with the settled precision.
     """
     validate(cfg)
     data = load_data(cfg.dataset)
@@ -170,6 +197,7 @@ def train(
     torch.manual_seed(cfg.seed)
     if cfg.hardware.device == "cpu" and cfg.hardware.threads > 0:
         torch.set_num_threads(cfg.hardware.threads)
+    precision = settle_hardware(cfg, saved_config)
 
     tokenizer = load_tokenizer(folder)
     policy = load_policy(folder, dtype=cfg.hardware.learner_dtype, device=cfg.hardware.device,
@@ -208,7 +236,8 @@ def train(
     tracker = Tracker(
         run_dir, backend=cfg.logger.name, project=cfg.logger.get("project", "fgrpo"),
         name=cfg.run_name or run_name, group=cfg.logger.get("group"), mode=cfg.logger.get("mode"),
-        entity=cfg.logger.get("entity"), tags=list(cfg.logger.get("tags") or []), config={**to_container(cfg), "overrides": list(overrides or [])},
+        entity=cfg.logger.get("entity"), tags=list(cfg.logger.get("tags") or []),
+        config={**to_container(cfg), "overrides": list(overrides or []), "precision": precision.as_dict()},
     )
     curves: dict[str, dict] = {}
     eval_seed = cfg.seed + 1_000_003

@@ -76,6 +76,10 @@ def test_unknown_group_option_lists_choices(compose):
         ("logger.mode=sometimes", "logger.mode"),
         ("hardware.attention=flash", "hardware.attention='flash': must be sdpa, eager or segments"),
         ("hardware.sampler_kv_cache_gib=0", "hardware.sampler_kv_cache_gib=0.0: must be > 0"),
+        ("hardware.autocast_dtype=fp16", "hardware.autocast_dtype='fp16': must be auto (bfloat16 where this machine "
+                                         "runs it natively), float32 or null (no autocast), bfloat16 or float16"),
+        ("hardware.sampler_dtype=half", "hardware.sampler_dtype='half': must be auto"),
+        ("hardware.learner_dtype=auto", "hardware.learner_dtype='auto': must be float32, bfloat16 or float16"),
     ],
 )
 def test_range_checks_name_key_and_value(compose, override, message):
@@ -91,6 +95,10 @@ def test_several_problems_are_reported_together(compose):
 
 def test_cpu_defaults_are_the_fast_path(compose):
     hardware = compose().hardware
-    assert (hardware.attention, hardware.compile_learner, hardware.autocast_dtype) == ("segments", True, "bfloat16")
-    assert hardware.share_prompts and hardware.gradient_checkpointing and hardware.keep_matmul_outputs_gib == 0.3
+    assert (hardware.attention, hardware.compile_learner) == ("segments", True)
+    # the dtypes follow the CPU (fgrpo.precision): bf16 only where it is native
+    assert (hardware.learner_dtype, hardware.autocast_dtype, hardware.sampler_dtype) == ("float32", "auto", "auto")
+    assert compose("hardware=gpu").hardware.autocast_dtype == "auto"
+    validate(compose("hardware.autocast_dtype=null", "hardware.sampler_dtype=float32"))  # the fp32 spelling by hand
+    assert hardware.share_prompts and hardware.gradient_checkpointing and hardware.keep_matmul_outputs_gib == "auto"
     assert compose("hardware.sampler_kv_cache_gib=0.25").hardware.sampler_kv_cache_gib == 0.25  # fractions allowed

@@ -545,9 +545,12 @@ def test_kept_matmul_outputs_need_checkpointed_compiled_layers(compose, override
     validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=0.5"))
     with pytest.raises(ConfigError, match=fix):
         validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=0.5", override))
-    with pytest.raises(ConfigError, match="must be >= 0"):
+    with pytest.raises(ConfigError, match="must be auto or >= 0"):
         validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=-1"))
+    with pytest.raises(ConfigError, match="must be auto or >= 0"):
+        validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=lots"))
     validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=0", override))  # 0: nothing kept, no need
+    validate(compose("hardware=cpu", override))  # auto: nothing kept without checkpointed compiled layers
 
 
 def test_missing_cpp_compiler_is_a_config_error_naming_the_fix():
@@ -604,11 +607,15 @@ from fgrpo.learner import bound_kernel_caches, release_freed_memory
 
 print(bound_kernel_caches(), file=sys.stderr)
 torch.set_num_threads(2)
+# the learner's matmul dtype here: bf16 (oneDNN's kernels) where it is native; where it is emulated, fp32 (1.4 TFLOP
+# of emulated bf16 would take hours)
+from fgrpo.precision import bf16_is_fast, probe_matmul_rates
+dtype = torch.bfloat16 if bf16_is_fast(probe_matmul_rates()) else torch.float32
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-weight = torch.randn(576, 1536, dtype=torch.bfloat16)
+weight = torch.randn(576, 1536, dtype=dtype)
 def matmul_with_grad(rows):
-    x = torch.randn(rows, 576, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(rows, 576, dtype=dtype, requires_grad=True)
     (x @ weight).sum().backward()
 for rows in range(1000, 1064):  # the caches full
     matmul_with_grad(rows)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fgrpo.samplers import vllm_available
-from fgrpo.tracking import read_metrics, read_wandb_history
+from fgrpo.tracking import read_metrics, read_wandb_history, read_wandb_run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
@@ -69,7 +69,7 @@ def test_two_steps_on_tiny_random_change_all_parameters(tmp_path, sampler):
     assert [r["step"] for r in evals] == [0, 1, 2]
     assert {"eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/arithmetic/pass@4"} <= set(evals[-1])
     assert (tmp_path / "pass_at_k.png").stat().st_size > 10_000
-    assert (tmp_path / ".hydra" / "config.yaml").is_file()
+    assert settled_dtypes(tmp_path)[1] in ("float32", "bfloat16")
     before, after = initial_tiny_state(), load_state(tmp_path / "final_model")
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     assert not unchanged, f"parameters that did not change: {unchanged}"
@@ -160,6 +160,21 @@ def test_default_model_and_sampler_two_steps_write_metrics_and_wandb_files(tmp_p
         assert wandb_row["eval/pass@1"] == pytest.approx(jsonl_row["eval/pass@1"])
         assert wandb_row["eval/pass@4"] == pytest.approx(jsonl_row["eval/pass@4"])
     assert any("train/reward_mean" in h for h in history)
+    # auto settled on this CPU: the same dtypes in the saved config and the W&B config, with the probe behind them
+    config = read_wandb_run(tmp_path).config
+    autocast, sampler = settled_dtypes(tmp_path)
+    assert (config["hardware"]["autocast_dtype"], config["hardware"]["sampler_dtype"]) == (autocast, sampler)
+    assert config["precision"]["rates"]["fp32"] > 0 and "GFLOP/s" in config["precision"]["reason"]
+
+
+def settled_dtypes(run_dir: Path) -> tuple:
+    """(autocast, sampler) dtype as the run's saved config records them: what ran, never `auto`."""
+    from omegaconf import OmegaConf
+
+    hardware = OmegaConf.load(run_dir / ".hydra" / "config.yaml").hardware
+    assert hardware.autocast_dtype in (None, "bfloat16") and hardware.sampler_dtype in ("float32", "bfloat16")
+    assert "precision: learner matmuls in" in (run_dir / "run.log").read_text()  # logged with its reason
+    return hardware.autocast_dtype, hardware.sampler_dtype
 
 
 def run_bad(tmp_path, *overrides, env=None):
@@ -204,6 +219,16 @@ def test_vllm_sampler_without_vllm_says_how_to_install(tmp_path):
     (hide_vllm / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
     stderr = run_bad(tmp_path / "run", "sampler=vllm", env={"PYTHONPATH": str(hide_vllm)})
     assert "sampler=vllm needs vLLM" in stderr and "sampler=hf" in stderr and "pip install" in stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")
+def test_a_sampler_dtype_vllm_refuses_names_the_key(tmp_path):
+    # vLLM refuses float16 for Gemma 2 on any machine: a real refusal of the kind some CPUs give every model
+    stderr = run_bad(tmp_path, "+model.random_init.model_type=gemma2", "+model.random_init.head_dim=64",
+                     "hardware.attention=eager", "hardware.sampler_dtype=float16", "sampler=vllm")
+    assert "hardware.sampler_dtype=float16" in stderr and "hardware.sampler_dtype=auto" in stderr, stderr[-3000:]
+    assert "gemma2" in stderr and "Traceback" not in stderr
 
 
 def test_interrupted_run_keeps_its_directory_and_metrics(tmp_path):
