@@ -15,11 +15,14 @@ SCRIPT = REPO / "bench" / "compare_trl.py"
 HAVE_TRL = importlib.util.find_spec("trl") is not None
 LABELS = [
     "seconds per step (median)", "sampling s", "scoring s", "learning s", "generated tokens per step",
-    "sampler tokens/s (generated)", "learner tokens/s (prompt+completion)", "sampler % of bf16 matmul",
-    "learner % of bf16 matmul", "learner % of fp32 matmul", "peak RSS GiB",
+    "sampler tokens/s (generated)", "learner tokens/s (prompt+completion)", "sampler % of matmul in its dtype",
+    "sampler % of bf16 matmul", "learner % of matmul in its dtype", "learner % of bf16 matmul",
+    "learner % of fp32 matmul", "peak RSS GiB",
 ]
 POSITIVE = ["step_s", "sample_s", "learn_s", "generated_tokens", "sampler_tok_s", "learner_tok_s",
-            "sampler_pct_bf16", "learner_pct_bf16", "learner_pct_fp32", "peak_rss_gib"]
+            "sampler_pct_own", "learner_pct_own", "learner_pct_fp32", "peak_rss_gib"]
+# against a bf16 reference only where bf16 ran (a CPU without native bf16 only probes it: None there)
+BF16_PCT = ["sampler_pct_bf16", "learner_pct_bf16"]
 
 
 def load_module():
@@ -71,8 +74,15 @@ def test_tiny_run_ours(tiny_run):
     assert ours["measured_steps"] == 1
     for key in POSITIVE:
         assert ours[key] > 0, key
+    for key in BF16_PCT:
+        assert (ours[key] is None) == bool(matmul.get("bf16_source")), key
+        assert ours[key] is None or ours[key] > 0, key
     assert "## Workload 2x2x8" in table
+    bf16_rows = {"sampler % of bf16 matmul", "learner % of bf16 matmul"}  # a row of None values is left out
     for label in LABELS:
+        if label in bf16_rows and matmul.get("bf16_source"):
+            assert label not in table, label
+            continue
         assert f"| {label} | " in table or f"|   {label} | " in table, label
 
 
