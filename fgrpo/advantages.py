@@ -116,6 +116,7 @@ def focal_group_advantages(
     rewards: torch.Tensor,
     gamma: float,
     *,
+    correct: torch.Tensor | None = None,
     std_normalize: bool = True,
     eps: float = 1e-6,
     r_correct: float = 1.0,
@@ -124,11 +125,20 @@ def focal_group_advantages(
     """F-GRPO advantage, Eq. 13: ``A^F_i = g * A_i``, the focal weight applied after std normalisation.
 
     Args:
-        rewards: ``[P, G]``.
+        rewards: ``[P, G]``, what the advantage of Eq. 3 normalises.
         gamma: focal strength (Eq. 12); 0 reproduces :func:`group_advantages` bit for bit.
+        correct: ``[P, G]`` 1 / 0 correctness, where the rewards are shaped (e.g. DAPO's overlong penalty): the
+            success rate of Eq. 11 is then the share correct, not read from the rewards. None: from ``rewards``
+            with the levels ``r_correct`` / ``r_wrong``.
 
     Returns:
         ``[P, G]``: one weight per prompt, shared by all its samples (and, in the loss, all tokens).
     """
-    weight = focal_weight(rewards, gamma, r_correct=r_correct, r_wrong=r_wrong)
+    if correct is None:
+        weight = focal_weight(rewards, gamma, r_correct=r_correct, r_wrong=r_wrong)
+    else:
+        if correct.shape != rewards.shape:
+            raise ValueError(f"correct has shape {tuple(correct.shape)} but rewards {tuple(rewards.shape)}; "
+                             "pass one verdict per sample")
+        weight = focal_weight(correct, gamma)
     return weight[:, None] * group_advantages(rewards, std_normalize=std_normalize, eps=eps)

@@ -150,6 +150,8 @@ class TrainerConfig:
     # optimizer steps per sampled batch (PPO mini-batches); 1 = on-policy, as the default run
     mini_batches: int = 1
     save_final: bool = False
+    # this step's learner update runs under torch.profiler: its top ops go to profile_step<N>.txt in the run dir
+    profile_step: Optional[int] = None
 
 
 @dataclass
@@ -185,12 +187,11 @@ class ConfigError(ValueError):
     """A config value out of its allowed range; the message names the key, the value and the fix."""
 
 
-ALGO_NAMES = ("grpo", "dapo", "cispo")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
-
 def validate(cfg: DictConfig | Config) -> None:
     """Range checks that must fail before the model loads. Raises ConfigError listing every problem."""
+    from fgrpo.losses import AGG_MODES, ALGOS  # names registered with the code that implements them
+    from fgrpo.tracking import BACKENDS, WANDB_MODES
+
     problems: list[str] = []
 
     def need(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -198,12 +199,12 @@ def validate(cfg: DictConfig | Config) -> None:
             problems.append(f"{key}={value!r}: {allowed}")
 
     need(cfg.focal.gamma >= 0, "focal.gamma", cfg.focal.gamma, "must be >= 0 (0 = the baseline, the paper uses 0.5-2)")
-    need(cfg.algo.name in ALGO_NAMES, "algo.name", cfg.algo.name, f"must be one of {ALGO_NAMES}")
+    need(cfg.algo.name in ALGOS, "algo.name", cfg.algo.name, f"must be one of {ALGOS}")
     need(cfg.algo.group_size >= 2, "algo.group_size", cfg.algo.group_size,
          "must be >= 2 (group-relative advantages need two samples per prompt)")
     need(cfg.algo.clip_low > 0, "algo.clip_low", cfg.algo.clip_low, "must be > 0")
     need(cfg.algo.clip_high > 0, "algo.clip_high", cfg.algo.clip_high, "must be > 0")
-    need(cfg.algo.loss_agg in LOSS_AGG_MODES, "algo.loss_agg", cfg.algo.loss_agg, f"must be one of {LOSS_AGG_MODES}")
+    need(cfg.algo.loss_agg in AGG_MODES, "algo.loss_agg", cfg.algo.loss_agg, f"must be one of {AGG_MODES}")
     need(cfg.algo.kl_coef >= 0, "algo.kl_coef", cfg.algo.kl_coef, "must be >= 0")
     need(cfg.algo.entropy_coef >= 0, "algo.entropy_coef", cfg.algo.entropy_coef, "must be >= 0")
     need(cfg.trainer.lr > 0, "trainer.lr", cfg.trainer.lr, "must be > 0 (the paper uses 1e-6)")
@@ -251,9 +252,9 @@ def validate(cfg: DictConfig | Config) -> None:
          "a hub model needs model.path (a hub id or a local folder)")
     need(cfg.dataset.kind in ("arithmetic", "sources"), "dataset.kind", cfg.dataset.kind, "must be arithmetic or sources")
     need(cfg.dataset.verifier in ("numeric", "math"), "dataset.verifier", cfg.dataset.verifier, "must be numeric or math")
-    need(cfg.logger.name in ("wandb", "none"), "logger.name", cfg.logger.name, "must be wandb or none")
-    need(cfg.logger.mode in (None, "online", "offline", "disabled"), "logger.mode", cfg.logger.mode,
-         "must be online, offline or disabled (or unset: $WANDB_MODE, else offline)")
+    need(cfg.logger.name in BACKENDS, "logger.name", cfg.logger.name, f"must be one of {BACKENDS}")
+    need(cfg.logger.mode is None or cfg.logger.mode in WANDB_MODES, "logger.mode", cfg.logger.mode,
+         f"must be one of {WANDB_MODES} (or unset: $WANDB_MODE, else offline)")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 

@@ -10,12 +10,25 @@ Equation numbers refer to F-GRPO (arXiv 2602.06717, v2). The focal weight lives 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["ALGOS", "AGG_MODES", "aggregate", "policy_loss", "per_token_policy_loss"]
+__all__ = ["ALGOS", "AGG_MODES", "LossSettings", "aggregate", "policy_loss", "per_token_policy_loss"]
 
-ALGOS = ("grpo", "dapo", "cispo")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """One algorithm's policy loss (the ``algo`` config group): what :func:`policy_loss` takes besides tensors."""
+
+    algo: str  # a name in ALGOS
+    clip_low: float
+    clip_high: float
+    agg: str = "token-mean"  # a name in AGG_MODES
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
 
 
 def _check_token_tensors(**tensors: torch.Tensor) -> torch.Size:
@@ -109,7 +122,7 @@ def per_token_policy_loss(
     clipped term won the min (ratio out of range on the side that matters for the advantage's
     sign); for CISPO, where the weight was clamped.
     """
-    if algo not in ALGOS:
+    if algo not in SURROGATES:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
     for name, value in (("clip_low", clip_low), ("clip_high", clip_high)):
         if not (isinstance(value, (int, float)) and value > 0):
@@ -128,17 +141,25 @@ def per_token_policy_loss(
         )
     advantages = advantages.detach().to(logp.dtype)
     ratio = torch.exp(logp - old_logp.detach())
-    low, high = 1.0 - clip_low, 1.0 + clip_high
-    clipped_ratio = ratio.clamp(low, high)
-
-    if algo == "cispo":
-        loss = -clipped_ratio.detach() * advantages * logp
-        clipped_low, clipped_high = ratio < low, ratio > high
-    else:
-        loss = torch.maximum(-ratio * advantages, -clipped_ratio * advantages)
-        clipped_low = (ratio < low) & (advantages < 0)
-        clipped_high = (ratio > high) & (advantages > 0)
+    loss, clipped_low, clipped_high = SURROGATES[algo](logp, ratio, advantages, 1.0 - clip_low, 1.0 + clip_high)
     return loss, ratio, clipped_low, clipped_high
+
+
+def _ppo_clip(logp, ratio, advantages, low, high):
+    """Eq. 14 per token: ``-min(r*A, clip(r, low, high)*A)``; clipped where the clipped term wins the min."""
+    loss = torch.maximum(-ratio * advantages, -ratio.clamp(low, high) * advantages)
+    return loss, (ratio < low) & (advantages < 0), (ratio > high) & (advantages > 0)
+
+
+def _cispo(logp, ratio, advantages, low, high):
+    """Eqs. 15-16: ``-sg(clip(r, low, high)) * A * logp``; clipped where the weight was clamped."""
+    return -ratio.clamp(low, high).detach() * advantages * logp, ratio < low, ratio > high
+
+
+# the policy loss of each algorithm by name (config.validate reads the names): GRPO and DAPO differ only in their
+# clip values, which live in conf/algo
+SURROGATES = {"grpo": _ppo_clip, "dapo": _ppo_clip, "cispo": _cispo}
+ALGOS = tuple(SURROGATES)
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

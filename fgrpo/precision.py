@@ -31,14 +31,15 @@ BF16_MIN_SPEEDUP = 1.5
 # an explicit bf16 under this fraction of the fp32 rate gets a warning
 BF16_SLOW_FRACTION = 0.5
 # [rows, hidden] @ [hidden, intermediate] of SmolLM2-135M's MLP: a matmul the learner and vLLM both run.
-# 64 rows keep an emulated bf16 probe under a second (0.1-0.2 GFLOP/s on AVX2-only CPUs)
+# 64 rows keep an emulated bf16 probe to a few seconds (0.1-0.2 GFLOP/s on AVX2-only CPUs)
 PROBE_SHAPE = (64, 576, 1536)
-PROBE_BUDGET_S = 0.05  # per dtype: repeat while this lasts (at least once), keep the best
+PROBE_BUDGET_S = 0.2  # both dtypes, taking turns: repeat while this lasts, keep the best of each
+PROBE_MIN_ROUNDS = 3
 
 
 @dataclass(frozen=True)
 class MatmulRates:
-    """Best-of-N FLOP/s of one matmul shape in fp32 and bf16 on this process's threads."""
+    """Best-of-N FLOP/s of one matmul shape in fp32 and bf16 on ``threads`` threads (the probe uses one)."""
 
     fp32: float
     bf16: float
@@ -109,26 +110,44 @@ def describe_cpu() -> str:
     return f"{cpu_name()} ({cpu_kind()}; torch kernels {torch.backends.cpu.get_cpu_capability()})"
 
 
-def _best_rate(dtype: torch.dtype, shape: tuple[int, int, int], budget_s: float) -> float:
-    m, k, n = shape
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=generator).to(dtype)
-    b = torch.randn(k, n, generator=generator).to(dtype)
-    best, start = float("inf"), time.perf_counter()
-    while best == float("inf") or (time.perf_counter() - start < budget_s):
-        began = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - began)
-    return 2 * m * k * n / best
+def _time_matmul(a: torch.Tensor, b: torch.Tensor) -> float:
+    began = time.perf_counter()
+    torch.matmul(a, b)
+    return time.perf_counter() - began
 
 
 @functools.cache
 def probe_matmul_rates(shape: tuple[int, int, int] = PROBE_SHAPE, budget_s: float = PROBE_BUDGET_S) -> MatmulRates:
-    """Time ``shape`` (rows, inner, cols) in fp32 and bf16 on this process's threads: about 0.1 s where bf16 is
-    native, under a second where it is emulated. The first call of each dtype (packing, kernel creation) is
-    among the timings, but only the best counts. Once per process (cached)."""
-    return MatmulRates(fp32=_best_rate(torch.float32, shape, budget_s), bf16=_best_rate(torch.bfloat16, shape, budget_s),
-                       shape=tuple(shape), threads=torch.get_num_threads())
+    """Time ``shape`` (rows, inner, cols) in fp32 and bf16 on one thread: about 0.2 s where bf16 is native, up to a
+    few seconds where it is emulated (0.1-2 GFLOP/s). Once per process (cached).
+
+    One thread, because the ratio of the two rates is a property of the kernels, and a multi-threaded matmul
+    this small collapses when another process shares the cores (a sweep's jobs on one node): measured on the
+    2-core EPYC beside a 2-thread fp32 load, 2 threads read 7-13 GFLOP/s and bf16/fp32 between 1.38 and 3.4
+    (one job of a sweep then settled on fp32 beside bf16 siblings), where 1 thread read 93-96 / 195-197
+    GFLOP/s, 2.05-2.09x, as without the load. After one untimed call of each (creating a kernel is slow, and
+    slower still while other processes compile: one job of a 4-job sweep on 2 cores read its first two bf16
+    calls at 0.15x fp32), the two dtypes take turns, one matmul each per round, for at least
+    :data:`PROBE_MIN_ROUNDS` rounds and while ``budget_s`` lasts; the best time of each counts.
+    """
+    m, k, n = shape
+    generator = torch.Generator().manual_seed(0)
+    a32, b32 = torch.randn(m, k, generator=generator), torch.randn(k, n, generator=generator)
+    a16, b16 = a32.to(torch.bfloat16), b32.to(torch.bfloat16)
+    best32 = best16 = float("inf")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _time_matmul(a32, b32), _time_matmul(a16, b16)  # untimed: each dtype's first call creates its kernels
+        start, rounds = time.perf_counter(), 0
+        while rounds < PROBE_MIN_ROUNDS or time.perf_counter() - start < budget_s:
+            best32 = min(best32, _time_matmul(a32, b32))
+            best16 = min(best16, _time_matmul(a16, b16))
+            rounds += 1
+    finally:
+        torch.set_num_threads(threads)
+    flops = 2 * m * k * n
+    return MatmulRates(fp32=flops / best32, bf16=flops / best16, shape=tuple(shape), threads=1)
 
 
 def bf16_is_fast(rates: MatmulRates) -> bool:
@@ -164,7 +183,7 @@ def resolve_precision(device: str, autocast_dtype: str | None, sampler_dtype: st
     fast = bf16_is_fast(rates)
     measured = (f"bf16 matmuls {_gflops(rates.bf16)} vs fp32 {_gflops(rates.fp32)} "
                 f"({rates.bf16_speedup:.2f}x) on {rates.shape[0]}x{rates.shape[1]}x{rates.shape[2]}, "
-                f"{rates.threads} threads")
+                f"{rates.threads} thread{'s' if rates.threads > 1 else ''}")
     for key, value in wanted.items():
         if value == "bfloat16" and rates.bf16_speedup < BF16_SLOW_FRACTION:
             log.warning("%s=bfloat16, but bf16 matmuls run at %s on this CPU (%s) against %s in float32, %.0fx "

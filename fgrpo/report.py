@@ -6,7 +6,7 @@ Reads only what the runs wrote (``.hydra/config.yaml``, ``.hydra/hydra.yaml`` an
 run directory; the sweep's ``multirun.yaml`` and submitit's ``.submitit/`` log folders), so a sweep copied back
 from a cluster reports the same. A job that failed before it wrote a run directory is still listed as FAILED
 (from the job list in ``multirun.yaml``), with its Slurm log when there is one. Writes ``report.md`` and ``report.png``
-(pass@k curves, one panel per algorithm, one line per gamma) next to the sweep, or into ``--out``.
+(pass@k curves, one panel per algorithm, one line per gamma, drawn by :mod:`fgrpo.plots`) next to the sweep, or into ``--out``.
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+from fgrpo.plots import plot_pass_at_k_panels
 from fgrpo.tracking import read_metrics
 
 # keys that identify a table cell or may differ between runs of one sweep
 CELL_KEYS = ("algo.name", "focal.gamma")
+# what `auto` settles per job from the machine it runs on (fgrpo.precision), written into its saved config
+SETTLED_KEYS = {"hardware.autocast_dtype", "hardware.sampler_dtype", "hardware.keep_matmul_outputs_gib"}
 FREE_KEYS = ("seed", "run_name", "logger.group", "logger.tags", "logger.mode", "trainer.save_final")
 
 
@@ -187,9 +190,14 @@ def check_same_config(runs: list[Run]) -> None:
             differing[key] = sorted(values)
     if differing:
         lines = [f"  {key}: {', '.join(values)}" for key, values in differing.items()]
+        fix = "report on each configuration's sweep directory separately"
+        if differing.keys() & SETTLED_KEYS:
+            fix = ("`auto` precision settled differently from job to job (jobs on different kinds of CPU: a bf16 "
+                   "matmul is native on some and emulated on others); run the sweep again with the dtypes pinned, "
+                   "e.g. hardware.autocast_dtype=float32 hardware.sampler_dtype=float32, or " + fix)
         raise ReportError(
             "the runs under this directory mix different configurations, so one algo x gamma table would "
-            "compare unlike things:\n" + "\n".join(lines) + "\nreport on each configuration's sweep directory separately"
+            "compare unlike things:\n" + "\n".join(lines) + "\n" + fix
         )
 
 
@@ -241,31 +249,22 @@ def format_text(header: list[str], rows: list[list[str]]) -> str:
 
 
 def plot_curves(runs: list[Run], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """report.png: one panel per algorithm, one line per gamma (final pass@k, mean over seeds, +-1 std shaded)."""
     completed = [r for r in runs if r.status == "completed"]
-    algos = sorted({r.algo for r in completed})
-    fig, axes = plt.subplots(1, len(algos), figsize=(4.5 * len(algos), 3.8), squeeze=False, sharey=True)
-    for ax, algo in zip(axes[0], algos):
+    panels = {}
+    for algo in sorted({r.algo for r in completed}):
+        curves = {}
         for gamma in sorted({r.gamma for r in completed if r.algo == algo}):
             group = [r for r in completed if r.algo == algo and r.gamma == gamma]
             ks = sorted({int(key.split("@")[1]) for key in group[0].final
                          if key.startswith("eval/pass@") and key.split("@")[1].isdigit()})
-            means = [np.mean([r.final[f"eval/pass@{k}"] for r in group]) for k in ks]
-            ax.plot(ks, means, marker="o", label=f"gamma={gamma:g} ({len(group)} seeds)")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ks, [str(k) for k in ks])
-        ax.set_title(algo)
-        ax.set_xlabel("k")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("final pass@k")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+            points = []
+            for k in ks:
+                mean, std = _mean_std([r.final[f"eval/pass@{k}"] for r in group])
+                points.append((k, mean, mean - std, mean + std))
+            curves[f"gamma={gamma:g} ({len(group)} seed{'s' if len(group) > 1 else ''})"] = points
+        panels[algo] = curves
+    plot_pass_at_k_panels(panels, path, ylabel="final pass@k")
 
 
 def report(sweep_dir: Path, out_dir: Path | None = None) -> str:

@@ -16,7 +16,8 @@ from typing import Protocol
 import torch
 
 from fgrpo.config import ConfigError
-from fgrpo.learner import discard_pages, mixed_precision
+from fgrpo.forward import mixed_precision
+from fgrpo.process_memory import discard_pages
 
 log = logging.getLogger("fgrpo")
 

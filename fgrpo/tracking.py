@@ -1,4 +1,4 @@
-"""Experiment tracking: metrics.jsonl always, Weights & Biases when it works, and pass@k plots.
+"""Experiment tracking: metrics.jsonl always, and Weights & Biases as its mirror when it works.
 
 The training loop talks to one small :class:`Tracker` so that it stays readable and tests can run
 with ``backend="none"``. ``metrics.jsonl`` in the run directory is the project's own record: it is
@@ -12,8 +12,7 @@ Non-finite floats (NaN, +-inf) are written as ``null`` because ``NaN`` is not va
 :func:`read_metrics` turns ``null`` back into ``nan`` (the sign of an infinity is not kept there;
 W&B gets the exact value).
 
-:func:`read_wandb_history` reads an offline W&B run's transaction log (``run-<id>.wandb``) back
-without any network, so tests can check that values reached W&B's files.
+Plots are :mod:`fgrpo.plots`; tests read W&B's run files back with ``tests/wandb_files.py``.
 """
 
 from __future__ import annotations
@@ -23,13 +22,12 @@ import logging
 import math
 import numbers
 import os
-import struct
 import tempfile
 import time
-import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
+
+from fgrpo.wandb_file import wait_for_exit_record
 
 __all__ = [
     "BACKENDS",
@@ -37,12 +35,6 @@ __all__ = [
     "Tracker",
     "resolve_wandb_mode",
     "read_metrics",
-    "WandbRun",
-    "find_wandb_run_file",
-    "read_wandb_run",
-    "read_wandb_history",
-    "read_wandb_summary",
-    "plot_pass_at_k",
 ]
 
 logger = logging.getLogger("fgrpo")
@@ -351,12 +343,12 @@ class Tracker:
 
         wandb-core writes the .wandb file asynchronously and ``finish`` can return before it has
         (seen with wandb 0.31); waiting makes the files complete when close() returns, for
-        readers such as :func:`read_wandb_run` or a job that copies the run directory.
+        readers such as a job that copies the run directory.
         """
         sync_file = Path(run.settings.sync_file) if self.wandb_mode != "disabled" else None
         log_exists = sync_file is not None and sync_file.exists()
         run.finish(exit_code=exit_code)
-        if log_exists and not _wait_for_exit_record(sync_file, self.WANDB_FLUSH_TIMEOUT_S):
+        if log_exists and not wait_for_exit_record(sync_file, self.WANDB_FLUSH_TIMEOUT_S):
             raise TimeoutError(f"{sync_file} got no exit record within {self.WANDB_FLUSH_TIMEOUT_S} s of finish")
 
     def _to_wandb(self, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -484,298 +476,3 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{number} is not valid JSON ({error}); the file is corrupt") from error
         rows.append({key: _nulls_to_nan(value) for key, value in row.items()})
     return rows
-
-
-# --------------------------------------------------------------------------------------------
-# reading W&B offline runs (the run-<id>.wandb transaction log)
-# --------------------------------------------------------------------------------------------
-
-# The .wandb file is a 7-byte W&B header followed by the LevelDB log format: 32 KiB blocks of
-# chunks, each with a 7-byte header (CRC-32 of type byte + payload, little-endian uint32; length,
-# uint16; type: 1 full, 2 first, 3 middle, 4 last). Each reassembled record is a serialized
-# wandb.proto.wandb_internal_pb2.Record. wandb 0.31 writes it from Go (wandb-core) and ships no
-# Python reader, so this is one.
-_WANDB_HEADER = struct.Struct("<4sHB")
-_WANDB_IDENT, _WANDB_MAGIC, _WANDB_VERSION = b":W&B", 0xBEE1, 0
-_BLOCK_SIZE = 32 * 1024
-_CHUNK_HEADER = struct.Struct("<IHB")
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-def _iter_wandb_records(data: bytes, source: str, offset: int = 0) -> Iterator[bytes]:
-    """Serialized Record messages from a .wandb file's bytes; a cut-off tail (live or crashed run) ends it.
-
-    ``data`` starts at byte ``offset`` of the file: 0, or a block boundary to read only the tail
-    (chunks never cross blocks, so a record's leftover middle/last chunks there are skipped).
-    """
-    if offset % _BLOCK_SIZE:
-        raise ValueError(f"offset {offset} is not a multiple of the {_BLOCK_SIZE}-byte block size")
-    position = 0
-    if offset == 0:
-        header = data[: _WANDB_HEADER.size]
-        if len(header) < _WANDB_HEADER.size or _WANDB_HEADER.unpack(header) != (_WANDB_IDENT, _WANDB_MAGIC, _WANDB_VERSION):
-            raise ValueError(f"{source} is not a W&B transaction log (header {header!r})")
-        position = _WANDB_HEADER.size
-    pending: bytearray | None = None
-    skipping_leftover = offset > 0
-    while True:
-        left_in_block = _BLOCK_SIZE - position % _BLOCK_SIZE
-        if left_in_block < _CHUNK_HEADER.size:  # block trailer padding
-            position += left_in_block
-            continue
-        if position + _CHUNK_HEADER.size > len(data):
-            return
-        checksum, length, chunk_type = _CHUNK_HEADER.unpack_from(data, position)
-        start = position + _CHUNK_HEADER.size
-        payload = data[start : start + length]
-        if chunk_type == 0 and length == 0:  # zeroed (preallocated) rest of a block
-            position += left_in_block
-            continue
-        if len(payload) < length:
-            return
-        if zlib.crc32(payload, zlib.crc32(bytes([chunk_type]))) != checksum:
-            if start + length >= len(data):
-                return  # the last chunk was being written
-            raise ValueError(f"{source}: checksum mismatch in the chunk at byte {offset + position}; the file is corrupt")
-        position = start + length
-        if chunk_type in (_FULL, _FIRST):
-            skipping_leftover = False
-        if chunk_type == _FULL:
-            pending = None
-            yield payload
-        elif chunk_type == _FIRST:
-            pending = bytearray(payload)
-        elif chunk_type in (_MIDDLE, _LAST) and pending is not None:
-            pending += payload
-            if chunk_type == _LAST:
-                yield bytes(pending)
-                pending = None
-        elif not (chunk_type in (_MIDDLE, _LAST) and skipping_leftover):
-            raise ValueError(
-                f"{source}: unexpected chunk type {chunk_type} at byte {offset + start - _CHUNK_HEADER.size}; "
-                "the file is corrupt"
-            )
-
-
-def _has_exit_record(path: Path) -> bool:
-    """Whether the end of a .wandb file holds the run's exit record (read from its last two blocks only)."""
-    from wandb.proto import wandb_internal_pb2
-
-    try:
-        with open(path, "rb") as file:
-            size = file.seek(0, os.SEEK_END)
-            offset = max(0, (size // _BLOCK_SIZE - 1) * _BLOCK_SIZE)
-            file.seek(offset)
-            data = file.read()
-    except FileNotFoundError:
-        return False
-    for raw in _iter_wandb_records(data, str(path), offset):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "exit":
-            return True
-    return False
-
-
-def _wait_for_exit_record(path: Path, timeout_s: float) -> bool:
-    """Poll until W&B has written the exit record; ``run.finish()`` can return before wandb-core does."""
-    deadline = time.monotonic() + timeout_s
-    while not _has_exit_record(path):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-@dataclass
-class WandbRun:
-    """What an offline W&B run recorded, read back from its transaction log."""
-
-    path: Path
-    run_id: str = ""
-    config: dict[str, Any] = field(default_factory=dict)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    summary: dict[str, Any] = field(default_factory=dict)
-    exit_code: int | None = None
-    """None when the run never finished (killed, or still running)."""
-
-
-def find_wandb_run_file(path: str | os.PathLike) -> Path:
-    """The one ``run-*.wandb`` file of a run directory, its ``wandb/`` folder, a run folder, or the file itself.
-
-    Raises:
-        FileNotFoundError: none found.
-        ValueError: several runs found (pass the one you mean).
-    """
-    path = Path(path)
-    if path.is_file():
-        return path
-    patterns = ("run-*.wandb", "*/run-*.wandb", "wandb/*/run-*.wandb")
-    # resolve() folds wandb/latest-run (a symlink) into the run folder it points at
-    found = sorted({file.resolve() for pattern in patterns for file in path.glob(pattern)})
-    if not found:
-        raise FileNotFoundError(f"no W&B run file (run-*.wandb) under {path}")
-    if len(found) > 1:
-        listing = "\n  ".join(str(file) for file in found)
-        raise ValueError(f"several W&B runs under {path}; pass one of:\n  {listing}")
-    return found[0]
-
-
-def _item_path(item) -> list[str]:
-    return list(item.nested_key) if item.nested_key else [item.key]
-
-
-def _set_path(target: dict, keys: list[str], value: Any) -> None:
-    for key in keys[:-1]:
-        child = target.get(key)
-        if not isinstance(child, dict):
-            child = target[key] = {}
-        target = child
-    target[keys[-1]] = value
-
-
-def _remove_path(target: dict, keys: list[str]) -> None:
-    for key in keys[:-1]:
-        target = target.get(key)
-        if not isinstance(target, dict):
-            return
-    target.pop(keys[-1], None)
-
-
-def read_wandb_run(path: str | os.PathLike) -> WandbRun:
-    """Read an offline (or online) W&B run's ``run-<id>.wandb`` file, without any network.
-
-    History rows are ``{key: value}`` with W&B's own ``_step``, ``_runtime`` and ``_timestamp``;
-    a histogram reads back as ``{"_type": "histogram", "values": counts, "bins": edges}``. The
-    summary is every summary update of the run applied in order (W&B's last-value summary plus
-    what :meth:`Tracker.summary` set).
-    """
-    from wandb.proto import wandb_internal_pb2
-
-    file = find_wandb_run_file(path)
-    run = WandbRun(path=file)
-
-    def apply_summary(summary_record) -> None:
-        for item in summary_record.update:
-            _set_path(run.summary, _item_path(item), json.loads(item.value_json))
-        for item in summary_record.remove:
-            _remove_path(run.summary, _item_path(item))
-
-    for raw in _iter_wandb_records(file.read_bytes(), str(file)):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            row: dict[str, Any] = {}
-            for item in record.history.item:
-                _set_path(row, _item_path(item), json.loads(item.value_json))
-            run.history.append(row)
-        elif kind == "summary":
-            apply_summary(record.summary)
-        elif kind == "run":
-            run.run_id = record.run.run_id
-            for item in record.run.config.update:
-                _set_path(run.config, _item_path(item), json.loads(item.value_json))
-            apply_summary(record.run.summary)
-        elif kind == "config":
-            for item in record.config.update:
-                _set_path(run.config, _item_path(item), json.loads(item.value_json))
-            for item in record.config.remove:
-                _remove_path(run.config, _item_path(item))
-        elif kind == "exit":
-            run.exit_code = record.exit.exit_code
-    return run
-
-
-def read_wandb_history(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The history rows W&B wrote for a run (see :func:`read_wandb_run`)."""
-    return read_wandb_run(path).history
-
-
-def read_wandb_summary(path: str | os.PathLike) -> dict[str, Any]:
-    """The final W&B summary of a run (see :func:`read_wandb_run`)."""
-    return read_wandb_run(path).summary
-
-
-# --------------------------------------------------------------------------------------------
-# plots
-# --------------------------------------------------------------------------------------------
-
-
-def _log2_ticks(ks: list[int], max_powers: int = 12, min_gap_log2: float = 0.3) -> list[int]:
-    """x ticks: the powers of two over the k range, plus other ks (e.g. n = 1000) that do not
-    crowd a tick already there, so labels never overlap."""
-    low, high = math.floor(math.log2(ks[0])), math.floor(math.log2(ks[-1]))
-    exponents = list(range(low, high + 1))
-    stride = math.ceil(len(exponents) / max_powers)
-    ticks = [2**e for e in exponents[::stride]]
-    for k in ks:
-        if all(abs(math.log2(k) - math.log2(tick)) >= min_gap_log2 for tick in ticks):
-            ticks.append(k)
-    return sorted(ticks)
-
-
-def _pass_at_k_point(label: str, point: Any) -> tuple[int, float, float, float]:
-    if all(hasattr(point, name) for name in ("k", "mean", "ci_low", "ci_high")):
-        point = (point.k, point.mean, point.ci_low, point.ci_high)
-    try:
-        k, mean, ci_low, ci_high = point
-        return int(k), float(mean), float(ci_low), float(ci_high)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"curve {label!r}: a point must be (k, mean, ci_low, ci_high), got {point!r}") from error
-
-
-def plot_pass_at_k(
-    curves: Mapping[str, Sequence[tuple[int, float, float, float]]],
-    path: str | os.PathLike,
-    *,
-    title: str,
-) -> None:
-    """Save a PNG of pass@k against k (log2 axis), one line per label with a shaded CI band.
-
-    Args:
-        curves: label (e.g. "before training", "after training", a dataset) -> points, each a
-            ``(k, mean, ci_low, ci_high)`` tuple or a :class:`fgrpo.metrics.PassAtK`, so
-            ``pass_at_k_curve(...)`` can be passed as is.
-        path: the PNG to write; its folder is created.
-        title: the figure title.
-    """
-    from matplotlib.figure import Figure  # no pyplot: no global backend or display involved
-    from matplotlib.ticker import FixedLocator, NullLocator
-
-    if not curves:
-        raise ValueError("plot_pass_at_k needs at least one curve")
-    parsed = {}
-    for label, points in curves.items():
-        rows = sorted(_pass_at_k_point(label, point) for point in points)
-        if not rows:
-            raise ValueError(f"curve {label!r} has no points")
-        if rows[0][0] < 1:
-            raise ValueError(f"curve {label!r} has k={rows[0][0]}; k must be >= 1 for a log2 axis")
-        parsed[label] = rows
-
-    figure = Figure(figsize=(7, 4.5), dpi=150, layout="constrained")
-    axes = figure.add_subplot()
-    all_ks = sorted({k for rows in parsed.values() for k, *_ in rows})
-    for label, rows in parsed.items():
-        ks, means, lows, highs = (list(column) for column in zip(*rows))
-        (line,) = axes.plot(ks, means, marker="o", markersize=4, linewidth=1.8, label=label)
-        axes.fill_between(ks, lows, highs, color=line.get_color(), alpha=0.18, linewidth=0)
-
-    ticks = _log2_ticks(all_ks)
-    axes.set_xscale("log", base=2)
-    axes.xaxis.set_major_locator(FixedLocator(ticks))
-    axes.xaxis.set_minor_locator(NullLocator())
-    axes.set_xticklabels([str(k) for k in ticks])
-    if len(all_ks) > 1:
-        axes.set_xlim(all_ks[0] / 1.15, all_ks[-1] * 1.15)
-    axes.set_ylim(0.0, 1.02)
-    axes.set_xlabel("k (samples per problem)")
-    axes.set_ylabel("pass@k")
-    axes.set_title(title)
-    axes.grid(True, which="major", alpha=0.35)
-    axes.legend(loc="lower right", frameon=True)
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format="png")

@@ -109,3 +109,16 @@ def test_property_focal_weight_non_increasing_in_success_rate(group_size, gamma)
     assert (weights[1:] <= weights[:-1] + 1e-7).all()
     assert weights.min() >= 0 and weights.max() <= 1
     assert math.isclose(weights[0].item(), 1.0)
+
+
+def test_shaped_rewards_take_the_success_rate_from_correct():
+    # DAPO's overlong penalty shifts rewards: the focal weight still counts correct samples (Eq. 11)
+    correct = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+    shaped = correct + torch.tensor([[0.0, -0.5, 0.0, -0.25], [0.0, 0.0, -0.1, 0.0]])
+    advantages = focal_group_advantages(shaped, 2.0, correct=correct)
+    expected_weights = torch.tensor([0.75**2, 0.25**2])
+    torch.testing.assert_close(advantages, expected_weights[:, None] * group_advantages(shaped))
+    # read from the shaped rewards instead, the first group's rate would be (1 - 0.75) / 4, not 1 / 4
+    assert not torch.allclose(focal_group_advantages(shaped, 2.0), advantages)
+    with pytest.raises(ValueError, match="one verdict per sample"):
+        focal_group_advantages(shaped, 2.0, correct=correct[:, :2])

@@ -9,7 +9,9 @@ import copy
 import pytest
 import torch
 
-from fgrpo.learner import Sequence, completion_logprobs, update_policy
+from fgrpo.packing import Sequence
+from fgrpo.forward import completion_logprobs
+from fgrpo.learner import update_policy
 from fgrpo.logprobs import token_logprobs
 from fgrpo.model import load_policy, load_tokenizer, resolve_model_folder
 from fgrpo.samplers import HFSampler
@@ -51,9 +53,8 @@ def test_hf_sampler_logprobs_are_the_learners(tiny_folder, device, autocast, tol
 
 def update_on(device, model, *, autocast_dtype=None, attention=None, compiled=False, **learner_options):
     """Loss and gradients (on the CPU) of one on-policy DAPO update of ``model`` moved to ``device``."""
-    from omegaconf import OmegaConf
-
-    from fgrpo.learner import compile_decoder_layers
+    from fgrpo.losses import LossSettings
+    from fgrpo.compiled_layers import compile_decoder_layers
 
     model = copy.deepcopy(model).to(device)
     if attention:
@@ -65,10 +66,9 @@ def update_on(device, model, *, autocast_dtype=None, attention=None, compiled=Fa
     prompts = [torch.randint(1, 97, (5 + i,), generator=gen).tolist() for i in range(2)]  # two groups of 4
     seqs = [Sequence(prompts[i // 4], torch.randint(1, 97, (3 + i % 4,), generator=gen).tolist(), advantage=(-1.0) ** i)
             for i in range(8)]
-    algo = OmegaConf.create(dict(name="dapo", clip_low=0.2, clip_high=0.28, loss_agg="token-mean",
-                                 kl_coef=0.0, entropy_coef=0.0))
+    algo = LossSettings(algo="dapo", clip_low=0.2, clip_high=0.28)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    metrics = update_policy(model, optimizer, seqs, algo_cfg=algo, pad_id=0, temperature=0.8, micro_batch_size=3,
+    metrics = update_policy(model, optimizer, seqs, loss=algo, pad_id=0, temperature=0.8, micro_batch_size=3,
                             grad_clip=1e9, max_new_tokens=8, autocast_dtype=autocast_dtype, **learner_options)
     return metrics, {n: p.grad.float().cpu() for n, p in model.named_parameters()}
 

@@ -1,14 +1,17 @@
 """The learner's log-probs and update against the straightforward computation, on a tiny model."""
 
 import copy
+import dataclasses
 import logging
 import os
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from fgrpo.learner import Sequence, completion_logprobs, fill_old_logprobs, update_policy
+from fgrpo.packing import Sequence
+from fgrpo.forward import completion_logprobs
+from fgrpo.learner import fill_old_logprobs, update_policy
+from fgrpo.losses import LossSettings
 from fgrpo.segment_attention import SEGMENT_ATTENTION
 
 
@@ -46,14 +49,13 @@ def test_fast_logprobs_equal_plain_computation(tiny_model, temperature):
 
 def algo(name="dapo"):
     clips = {"grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "cispo": (1.0, 5.0)}[name]
-    return OmegaConf.create(dict(name=name, clip_low=clips[0], clip_high=clips[1], loss_agg="token-mean",
-                                 kl_coef=0.0, entropy_coef=0.0))
+    return LossSettings(algo=name, clip_low=clips[0], clip_high=clips[1])
 
 
-def grads_after_update(model, seqs, micro_batch_size, algo_cfg):
+def grads_after_update(model, seqs, micro_batch_size, loss_settings):
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: inspect the gradient only
-    update_policy(model, optimizer, seqs, algo_cfg=algo_cfg, pad_id=0, temperature=1.0,
+    update_policy(model, optimizer, seqs, loss=loss_settings, pad_id=0, temperature=1.0,
                   micro_batch_size=micro_batch_size, grad_clip=1e9, max_new_tokens=8)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -84,7 +86,7 @@ def test_update_changes_every_parameter_and_reports_metrics(tiny_model):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seqs = make_seqs(seed=3)
-    metrics = update_policy(model, optimizer, seqs, algo_cfg=algo("cispo"), pad_id=0, temperature=1.0,
+    metrics = update_policy(model, optimizer, seqs, loss=algo("cispo"), pad_id=0, temperature=1.0,
                             micro_batch_size=2, grad_clip=1.0, max_new_tokens=8)
     for name, param in model.named_parameters():
         assert not torch.equal(before[name], param.detach()), name
@@ -103,7 +105,7 @@ def test_off_policy_old_logprobs_are_recorded(tiny_model):
 # ---- the fast path (fused LM head, eager attention, compiled layers) against the straightforward one
 
 
-def update_grads(model, seqs, *, autocast_dtype=None, fused_head=True, algo_cfg=None, micro_batch_tokens=None,
+def update_grads(model, seqs, *, autocast_dtype=None, fused_head=True, loss_settings=None, micro_batch_tokens=None,
                  share_prompts=False, kept_matmul_bytes=0):
     """Loss and gradients of one on-policy update, with the LM-head path chosen by ``fused_head``."""
     import fgrpo.learner as learner
@@ -113,7 +115,7 @@ def update_grads(model, seqs, *, autocast_dtype=None, fused_head=True, algo_cfg=
     try:
         model.zero_grad(set_to_none=True)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        metrics = update_policy(model, optimizer, seqs, algo_cfg=algo_cfg or algo("dapo"), pad_id=0, temperature=0.8,
+        metrics = update_policy(model, optimizer, seqs, loss=loss_settings or algo("dapo"), pad_id=0, temperature=0.8,
                                 micro_batch_size=4, grad_clip=1e9, max_new_tokens=8, autocast_dtype=autocast_dtype,
                                 micro_batch_tokens=micro_batch_tokens, share_prompts=share_prompts,
                                 kept_matmul_bytes=kept_matmul_bytes)
@@ -144,8 +146,8 @@ def test_fused_head_gives_the_straightforward_loss_and_gradients(tiny_model, aut
 
 def test_entropy_bonus_takes_the_path_with_an_entropy_gradient(tiny_model):
     model, seqs = copy.deepcopy(tiny_model), make_seqs(seed=6)
-    with_bonus = OmegaConf.merge(algo("dapo"), {"entropy_coef": 0.5})
-    _, bonus = update_grads(model, seqs, algo_cfg=with_bonus)
+    with_bonus = dataclasses.replace(algo("dapo"), entropy_coef=0.5)
+    _, bonus = update_grads(model, seqs, loss_settings=with_bonus)
     _, no_bonus = update_grads(model, seqs)
     assert any(not torch.allclose(bonus[n], no_bonus[n]) for n in bonus)
 
@@ -160,7 +162,7 @@ def test_eager_attention_gives_the_sdpa_gradients(tiny_model):
 
 
 def test_compiled_layers_give_the_eager_gradients(tiny_model):
-    from fgrpo.learner import compile_decoder_layers
+    from fgrpo.compiled_layers import compile_decoder_layers
 
     eager = copy.deepcopy(tiny_model)
     eager.set_attn_implementation("eager")
@@ -176,7 +178,7 @@ def test_grad_only_compiled_layers_learn_compiled_and_generate_eager(tiny_model)
     """sampler=hf: the policy generates too, so its layers are compiled for the learner only."""
     from torch._dynamo.utils import counters
 
-    from fgrpo.learner import compile_decoder_layers
+    from fgrpo.compiled_layers import compile_decoder_layers
 
     eager = copy.deepcopy(tiny_model)
     eager.set_attn_implementation("eager")
@@ -205,7 +207,7 @@ def test_grad_only_compiled_layers_learn_compiled_and_generate_eager(tiny_model)
 def test_checkpointed_compiled_layers_give_the_eager_gradients(tiny_model, autocast_dtype, loss_atol, grad_rel,
                                                                attention):
     """The CPU default (hardware=cpu): compiled layers recomputed in the backward instead of kept."""
-    from fgrpo.learner import compile_decoder_layers
+    from fgrpo.compiled_layers import compile_decoder_layers
 
     eager = copy.deepcopy(tiny_model).train()
     eager.set_attn_implementation("eager")
@@ -244,7 +246,7 @@ def test_selective_checkpoint_keeps_matmul_outputs_and_gives_the_eager_gradients
     """hardware.keep_matmul_outputs_gib: layers that keep their matmul outputs recompute norms, attention and SiLU
     in the backward but not the matmuls; the others are recomputed whole; the update is the eager one."""
     import fgrpo.learner as learner
-    from fgrpo.learner import compile_decoder_layers, matmul_output_bytes
+    from fgrpo.compiled_layers import compile_decoder_layers, matmul_output_bytes
 
     eager = copy.deepcopy(tiny_model).train()
     eager.set_attn_implementation("eager")
@@ -298,7 +300,7 @@ def test_selective_checkpoint_keeps_matmul_outputs_and_gives_the_eager_gradients
 
 
 def test_pack_rows_first_fit_decreasing():
-    from fgrpo.learner import pack_rows
+    from fgrpo.packing import pack_rows
 
     lengths = [5, 9, 2, 7, 3, 3, 12, 1]
     rows = pack_rows(lengths, 10)
@@ -319,7 +321,7 @@ def rl_like_seqs(count, seed=0):
 
 @pytest.mark.parametrize("seqs", [rl_like_seqs(40), make_seqs(seed=11, count=40)], ids=["rl-like", "even"])
 def test_token_budget_micro_batches_hold_every_sequence_once_within_the_budget(seqs):
-    from fgrpo.learner import micro_batches
+    from fgrpo.packing import micro_batches
 
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
     for tokens in (1, 40, 150, 10_000):
@@ -341,18 +343,18 @@ def test_token_budget_micro_batches_hold_every_sequence_once_within_the_budget(s
 @pytest.mark.parametrize("share", [False, True])
 def test_one_row_micro_batches_have_no_padding_and_stay_within_the_budget(share):
     """Segment attention: one row per micro-batch, every slot a token, a shared prompt once per micro-batch."""
-    from fgrpo.learner import _prompt_units, _units_length, micro_batches
+    from fgrpo.packing import prompt_units, units_length, micro_batches
 
     seqs = grouped_seqs(prompts=5, samples=8, seed=21)
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
     groups = [[i for i in range(len(seqs)) if seqs[i].prompt_ids == seqs[k].prompt_ids] for k in range(0, 40, 8)]
-    longest = max(_units_length(seqs, [g]) for g in groups) if share else max(lengths)
+    longest = max(units_length(seqs, [g]) for g in groups) if share else max(lengths)
     for tokens in (30, 100, 400, 10_000):
         micros = micro_batches(seqs, size=4, tokens=tokens, share_prompts=share, one_row=True)
         assert sorted(id(s) for m in micros for s in m.seqs) == sorted(id(s) for s in seqs)
         for m in micros:
             assert m.rows == [list(range(len(m.seqs)))]
-            assert m.padded_tokens == m.real_tokens == _units_length(m.seqs, _prompt_units(m.seqs, m.rows[0], share))
+            assert m.padded_tokens == m.real_tokens == units_length(m.seqs, prompt_units(m.seqs, m.rows[0], share))
             # over the budget only as a lone row of the layout, at most as long as the longest sequence or group
             assert m.padded_tokens <= max(tokens, longest)
         unshared = sum(lengths)
@@ -366,7 +368,7 @@ def test_one_row_micro_batches_have_no_padding_and_stay_within_the_budget(share)
 
 
 def test_token_budget_holds_when_the_longest_sequence_is_over_half_of_it():
-    from fgrpo.learner import micro_batches
+    from fgrpo.packing import micro_batches
 
     lengths = [50, 44, 42, 41, 40, 39, 30, 24, 6]  # rows 1.5 or 2 x 50 wide would not fit 64 slots
     seqs = [Sequence([1] * 4, [2] * (n - 4)) for n in lengths]
@@ -377,7 +379,7 @@ def test_token_budget_holds_when_the_longest_sequence_is_over_half_of_it():
 
 
 def test_rl_like_lengths_pack_several_to_a_row():
-    from fgrpo.learner import micro_batches
+    from fgrpo.packing import micro_batches
 
     seqs = rl_like_seqs(64, seed=1)
     real = sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
@@ -389,7 +391,8 @@ def test_rl_like_lengths_pack_several_to_a_row():
 
 
 def test_micro_batch_layout_weighs_padding_against_row_width(tiny_model):
-    from fgrpo.learner import attention_width_cost, micro_batches
+    from fgrpo.forward import attention_width_cost
+    from fgrpo.packing import micro_batches
 
     # the tiny Llama: 2 * hidden / parameters of one layer
     layer_params = sum(p.numel() for p in tiny_model.model.layers[0].parameters())
@@ -422,7 +425,7 @@ def tiny_qwen2():
 @pytest.mark.parametrize("attention", ["eager", "sdpa", SEGMENT_ATTENTION])
 def test_packed_rows_give_each_sequence_its_own_logprobs(tiny_model, arch, attention):
     """Sequences sharing a row see only themselves: their log-probs are those of each one run alone."""
-    from fgrpo.learner import pack_rows
+    from fgrpo.packing import pack_rows
 
     model = copy.deepcopy(tiny_model) if arch == "llama" else tiny_qwen2()
     model.set_attn_implementation(attention)
@@ -474,25 +477,25 @@ def grouped_seqs(prompts, samples, seed=0):
 @pytest.mark.parametrize("attention", ["eager", "sdpa", SEGMENT_ATTENTION])
 def test_shared_prompt_rows_give_each_sequence_its_own_logprobs(tiny_model, arch, attention):
     """A completion behind a shared prompt sees the prompt and itself only: its own sequence's log-probs."""
-    from fgrpo.learner import _lay_out_rows
+    from fgrpo.packing import lay_out_rows
 
     model = copy.deepcopy(tiny_model) if arch == "llama" else tiny_qwen2()
     model.set_attn_implementation(attention)
     seqs = grouped_seqs(prompts=3, samples=4, seed=15)
     # a whole group in a row; a group split over two rows; two groups in one row; a lone sequence with padding
     rows = [[0, 1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
-    layout = _lay_out_rows(seqs, rows, 0, "cpu", share_prompts=True)
+    layout = lay_out_rows(seqs, rows, 0, "cpu", share_prompts=True)
     prompt_lengths = [len(seqs[i].prompt_ids) for i in (0, 4, 6, 8, 10)]
     assert layout.real_tokens == sum(prompt_lengths) + sum(len(s.completion_ids) for s in seqs)
     assert_each_sequence_alone(model, seqs, rows=rows, share_prompts=True)
 
 
 def test_shared_prompt_layout_masks_every_completion_off_the_others():
-    from fgrpo.learner import _lay_out_rows
+    from fgrpo.packing import lay_out_rows
 
     prompt = [5, 6, 7]
     seqs = [Sequence(prompt, [1, 2]), Sequence(prompt, [3]), Sequence([9], [4])]
-    layout = _lay_out_rows(seqs, [[0, 1, 2]], 0, "cpu", share_prompts=True)
+    layout = lay_out_rows(seqs, [[0, 1, 2]], 0, "cpu", share_prompts=True)
     # row: 5 6 7 | 1 2 | 3 | 9 4, positions continue from the prompt for each completion
     assert layout.input_ids.tolist() == [[5, 6, 7, 1, 2, 3, 9, 4]]
     assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 0, 1]]
@@ -501,12 +504,12 @@ def test_shared_prompt_layout_masks_every_completion_off_the_others():
     assert allowed[5] == [1, 1, 1, 0, 0, 1, 0, 0]  # completion 2 sees the prompt and itself, not completion 1
     assert allowed[4] == [1, 1, 1, 1, 1, 0, 0, 0]
     assert allowed[7] == [0, 0, 0, 0, 0, 0, 1, 1]  # the other prompt's sequence sees only itself
-    assert _lay_out_rows(seqs, [[0, 1, 2]], 0, "cpu").allowed is None  # not shared: the positions' packed mask
+    assert lay_out_rows(seqs, [[0, 1, 2]], 0, "cpu").allowed is None  # not shared: the positions' packed mask
 
 
 @pytest.mark.parametrize("tokens", [30, 200, 1000])
 def test_shared_prompt_micro_batches_give_the_padded_loss_and_gradients(tiny_model, tokens):
-    from fgrpo.learner import micro_batches
+    from fgrpo.packing import micro_batches
 
     model, seqs = copy.deepcopy(tiny_model), grouped_seqs(prompts=4, samples=8, seed=16)
     shared = update_grads(model, seqs, micro_batch_tokens=tokens, share_prompts=True)
@@ -523,7 +526,7 @@ def test_shared_prompt_micro_batches_give_the_padded_loss_and_gradients(tiny_mod
 
 def test_shared_prompts_need_packed_rows_and_a_mask_taking_attention(tiny_model, compose):
     from fgrpo.config import ConfigError, validate
-    from fgrpo.learner import _attention_mask
+    from fgrpo.forward import _attention_mask
 
     validate(compose("hardware=cpu", "hardware.share_prompts=true"))
     cfg = compose("hardware=cpu", "hardware.share_prompts=true", "hardware.micro_batch_tokens=null")
@@ -557,7 +560,7 @@ def test_missing_cpp_compiler_is_a_config_error_naming_the_fix():
     from torch._inductor import config as inductor_config
 
     from fgrpo.config import ConfigError
-    from fgrpo.learner import require_cpp_compiler
+    from fgrpo.compiled_layers import require_cpp_compiler
 
     require_cpp_compiler()  # this machine has one
     with inductor_config.patch({"cpp.cxx": ("no-such-c++-compiler",)}):
@@ -567,7 +570,7 @@ def test_missing_cpp_compiler_is_a_config_error_naming_the_fix():
 
 GLIBC_MEMORY_PROBE = """
 import torch
-from fgrpo.learner import keep_freed_memory, release_freed_memory
+from fgrpo.process_memory import keep_freed_memory, release_freed_memory
 
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
@@ -590,7 +593,7 @@ def test_freed_memory_is_kept_within_a_step_and_released_after_it():
     import subprocess
     import sys
 
-    from fgrpo.learner import keep_freed_memory, release_freed_memory
+    from fgrpo.process_memory import keep_freed_memory, release_freed_memory
 
     if not (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"):
         assert keep_freed_memory() is False and release_freed_memory() is False
@@ -603,7 +606,7 @@ def test_freed_memory_is_kept_within_a_step_and_released_after_it():
 
 KERNEL_CACHE_PROBE = """
 import os, sys, torch
-from fgrpo.learner import bound_kernel_caches, release_freed_memory
+from fgrpo.process_memory import bound_kernel_caches, release_freed_memory
 
 print(bound_kernel_caches(), file=sys.stderr)
 torch.set_num_threads(2)
@@ -637,7 +640,7 @@ def test_matmul_kernel_caches_stay_bounded_as_shapes_change(monkeypatch):
     import subprocess
     import sys
 
-    from fgrpo.learner import KERNEL_CACHE_CAPACITY, bound_kernel_caches
+    from fgrpo.process_memory import KERNEL_CACHE_CAPACITY, bound_kernel_caches
 
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")  # a user's own setting wins
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")  # so that the test's own setting is undone after it

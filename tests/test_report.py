@@ -24,10 +24,11 @@ FINALS = {
 
 
 def write_run(run_dir: Path, algo: str, gamma: float, seed: int, p1: float, p4: float, *, job_num: int = 0,
-              job_id: str | None = None, lr: float = 1e-5, steps_done: int = STEPS) -> Path:
+              job_id: str | None = None, lr: float = 1e-5, steps_done: int = STEPS, dtype: str = "bfloat16") -> Path:
     (run_dir / ".hydra").mkdir(parents=True)
     config = {"seed": seed, "algo": {"name": algo, "group_size": 4}, "focal": {"gamma": gamma},
               "trainer": {"steps": STEPS, "lr": lr}, "eval": {"n_samples": 4},
+              "hardware": {"autocast_dtype": dtype, "sampler_dtype": dtype},
               "logger": {"name": "wandb", "group": "sweep-x"}}
     (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
     (run_dir / ".hydra" / "hydra.yaml").write_text(
@@ -144,6 +145,16 @@ def test_mixed_configs_exit_2_naming_the_key(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "mix different configurations" in err and "trainer.lr: 1e-05, 3e-05" in err
     assert not (tmp_path / "report.md").exists()
+    assert "auto" not in err  # not the precision hint: the user set the lr
+
+
+def test_jobs_whose_auto_precision_settled_differently_are_told_to_pin_it(tmp_path, capsys):
+    write_sweep(tmp_path / "a")
+    write_sweep(tmp_path / "b", dtype="float32")
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "hardware.autocast_dtype: 'bfloat16', 'float32'" in err
+    assert "hardware.autocast_dtype=float32 hardware.sampler_dtype=float32" in err
 
 
 @pytest.mark.parametrize("what", ["empty", "missing", "only_failed"])

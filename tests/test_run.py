@@ -1,6 +1,5 @@
 """End-to-end runs of `python run.py` (the real CLI, Hydra, model, samplers, W&B offline files)."""
 
-import json
 import os
 import signal
 import subprocess
@@ -8,11 +7,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from fgrpo.samplers import vllm_available
-from fgrpo.tracking import read_metrics, read_wandb_history, read_wandb_run
+from fgrpo.tracking import read_metrics
+from wandb_files import read_wandb_history, read_wandb_run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
@@ -80,7 +81,8 @@ def test_two_steps_on_tiny_random_change_all_parameters(tmp_path, sampler):
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 2e-3), ("bfloat16", 0.08)])
 def test_vllm_logprobs_match_learner_after_weight_update(dtype, tolerance):
     """After pushing new weights, vLLM's log-probs of its own samples equal the learner's recomputation."""
-    from fgrpo.learner import Sequence, completion_logprobs
+    from fgrpo.packing import Sequence
+    from fgrpo.forward import completion_logprobs
     from fgrpo.model import load_policy, load_tokenizer, random_folder
     from fgrpo.samplers import VLLMSampler
 
@@ -280,7 +282,7 @@ def test_interrupt_record_raises_as_python_does_and_restores_the_handler_before(
 
 
 def test_overlong_penalty_follows_dapo():
-    from fgrpo.train import overlong_penalty
+    from fgrpo.rollouts import overlong_penalty
 
     # max 32 tokens, buffer 16: no penalty up to 16, then linear down to -1 at 32
     assert overlong_penalty(10, 32, 16, 1.0) == 0.0
@@ -300,3 +302,23 @@ def test_dapo_options_run_and_skip_steps_without_mixed_groups(tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     steps = [r for r in rows if r.get("step", 0) > 0 and "perf/step_time_s" in r]
     assert len(steps) == 2 and all("train/loss" not in r for r in steps)
+
+
+def test_the_loop_applies_the_focal_weight_to_each_group(tmp_path):
+    # nothing patched: the same first batch (sampled before any update) under gamma = 0 and gamma = 1; each
+    # mixed group's mean |advantage| shrinks by exactly its focal weight 1 - mu_hat (Eqs. 11-13)
+    common = ["trainer.steps=1", "trainer.prompts_per_step=6", "algo.group_size=8", "eval.n_samples=1",
+              "eval.max_problems=1", "sampler=hf", "hardware.compile_learner=false", "logger=none"]
+    steps = {}
+    for gamma in (0.0, 1.0):
+        result = run_cli(tmp_path / str(gamma), *common, f"focal.gamma={gamma}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        steps[gamma] = next(r for r in read_metrics(tmp_path / str(gamma) / "metrics.jsonl") if "train/loss" in r)
+    rates = steps[0.0]["train/success_rate_hist"]
+    assert rates == steps[1.0]["train/success_rate_hist"]
+    mixed = [i for i, rate in enumerate(rates) if 0 < rate < 1]
+    assert mixed, f"no mixed group in the first batch (success rates {rates}): pick another seed"
+    plain, focal = steps[0.0]["train/adv_abs_mean_per_group"], steps[1.0]["train/adv_abs_mean_per_group"]
+    for i in mixed:
+        assert focal[i] == pytest.approx(plain[i] * (1 - rates[i]), rel=1e-5), (i, rates[i])
+    assert steps[1.0]["train/focal_weight_mean"] == pytest.approx(np.mean([1 - r for r in rates]), rel=1e-5)

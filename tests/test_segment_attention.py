@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from fgrpo.learner import Sequence, _lay_out_rows
+from fgrpo.packing import Sequence, lay_out_rows
 from fgrpo.segment_attention import SEGMENT_ATTENTION, segment_attention, segment_buckets
 
 
@@ -52,7 +52,7 @@ def allowed_width(layout):
 @pytest.mark.parametrize("buckets", [1, 2])
 def test_segment_buckets_allow_exactly_the_dense_masks_pairs(rows, share, buckets):
     seqs = groups_of(prompts=3, samples=4, seed=1)
-    layout = _lay_out_rows(seqs, rows, 0, "cpu", share_prompts=share)
+    layout = lay_out_rows(seqs, rows, 0, "cpu", share_prompts=share)
     pad = layout.input_ids.numel()
     queries, keys, allowed = segment_buckets(layout.segments, pad, "cpu", buckets=buckets)
     assert len(queries) == buckets
@@ -74,7 +74,7 @@ def test_segment_buckets_allow_exactly_the_dense_masks_pairs(rows, share, bucket
 def test_segment_attention_gives_the_dense_masked_outputs_and_gradients(dtype, atol, device):
     seqs = groups_of(prompts=3, samples=4, seed=2)
     rows = [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
-    layout = _lay_out_rows(seqs, rows, 0, device, share_prompts=True)
+    layout = lay_out_rows(seqs, rows, 0, device, share_prompts=True)
     module = torch.nn.Module()
     module.num_key_value_groups, module.training = 2, True
     gen = torch.Generator().manual_seed(3)

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fgrpo.tracking import _iter_wandb_records, find_wandb_run_file, read_metrics, read_wandb_run
+from fgrpo.tracking import read_metrics
+from fgrpo.wandb_file import iter_records
+from wandb_files import find_wandb_run_file, read_wandb_run
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 600  # a hung sweep fails the test instead of hanging CI
@@ -60,7 +62,7 @@ def wandb_group_and_name(run_dir: Path) -> tuple[str, str]:
     from wandb.proto import wandb_internal_pb2
 
     file = find_wandb_run_file(run_dir)
-    for raw in _iter_wandb_records(file.read_bytes(), str(file)):
+    for raw in iter_records(file.read_bytes(), str(file)):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
         if record.WhichOneof("record_type") == "run":

@@ -13,18 +13,9 @@ import pytest
 pytest.importorskip("wandb")
 pytest.importorskip("matplotlib")
 
-from fgrpo.metrics import pass_at_k_curve  # noqa: E402
-from fgrpo.tracking import (  # noqa: E402
-    Tracker,
-    _log2_ticks,
-    find_wandb_run_file,
-    plot_pass_at_k,
-    read_metrics,
-    read_wandb_history,
-    read_wandb_run,
-    read_wandb_summary,
-    resolve_wandb_mode,
-)
+from fgrpo.plots import plot_pass_at_k  # noqa: E402
+from fgrpo.tracking import Tracker, read_metrics, resolve_wandb_mode  # noqa: E402
+from wandb_files import find_wandb_run_file, read_wandb_history, read_wandb_run, read_wandb_summary  # noqa: E402
 
 # Small runs: no system-stats sampler process per run.
 FAST = {"x_disable_stats": True, "x_save_requirements": False}
@@ -289,37 +280,3 @@ def test_wandb_mode_defaults_to_offline_unless_env_or_argument(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "bogus")
     with pytest.raises(ValueError, match=r"\$WANDB_MODE='bogus'"):
         resolve_wandb_mode(None)
-
-
-def test_plot_pass_at_k_writes_a_png(tmp_path):
-    from matplotlib.image import imread
-
-    ks = [1, 2, 4, 8, 16]
-    before = [(k, 1 - 0.8**k, max(0.0, 1 - 0.8**k - 0.05), min(1.0, 1 - 0.8**k + 0.05)) for k in ks]
-    after = [(k, 1 - 0.7**k, max(0.0, 1 - 0.7**k - 0.04), min(1.0, 1 - 0.7**k + 0.04)) for k in ks]
-    path = tmp_path / "out" / "pass_at_k.png"
-    plot_pass_at_k({"before training": before, "after training": after}, path, title="pass@k on arithmetic")
-    assert path.stat().st_size > 10_000
-    image = imread(path)
-    assert image.shape[0] > 400 and image.shape[1] > 600
-    assert image[..., :3].std() > 0.05  # not a blank canvas
-    with pytest.raises(ValueError, match="at least one"):
-        plot_pass_at_k({}, path, title="t")
-    with pytest.raises(ValueError, match="k must be >= 1"):
-        plot_pass_at_k({"a": [(0, 0.1, 0.0, 0.2)]}, path, title="t")
-
-
-def test_plot_takes_pass_at_k_curve_output_directly(tmp_path):
-    curve = pass_at_k_curve([0, 3, 8, 16], 16, n_bootstrap=50)
-    path = tmp_path / "curve.png"
-    plot_pass_at_k({"after training": curve}, path, title="t")
-    assert path.stat().st_size > 0
-    with pytest.raises(ValueError, match="must be \\(k, mean, ci_low, ci_high\\)"):
-        plot_pass_at_k({"a": [(1, 0.5)]}, path, title="t")
-
-
-def test_log2_ticks_are_powers_of_two_plus_uncrowded_extra_ks():
-    assert _log2_ticks([1, 2, 4, 8, 16]) == [1, 2, 4, 8, 16]
-    assert _log2_ticks([1, 2, 4, 8, 16, 32, 64, 100]) == [1, 2, 4, 8, 16, 32, 64, 100]
-    assert _log2_ticks([1, 512, 1000, 1024]) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]  # 1000 would overlap
-    assert len(_log2_ticks([1, 2**20])) <= 12

@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = Path(__file__).parent / "data" / "two_steps.json"

@@ -1,0 +1,44 @@
+"""Held-out evaluation: unbiased pass@k with confidence intervals (fgrpo.metrics) on each evaluation set."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from fgrpo.data import Problem
+from fgrpo.metrics import pass_at_k_curve
+
+Curve = list[tuple[int, float, float, float]]  # (k, pass@k, ci_low, ci_high)
+
+
+def evaluate(sampler, eval_sets: dict[str, list[Problem]], prompt_ids: dict[str, list[int]], verifier, *,
+             n_samples: int, max_problems: int, max_new_tokens: int, temperature: float, top_p: float,
+             seed: int) -> tuple[dict[str, float], Curve]:
+    """pass@k for k = 1, 2, 4, ..., ``n_samples`` on the first ``max_problems`` of each set.
+
+    Returns the metrics (``eval/<set>/pass@k`` with ``_ci_low`` / ``_ci_high``, ``eval/pass@k`` averaging the sets,
+    ``perf/eval_time_s``) and the curve to plot: the set's own, or with several sets their average.
+    """
+    start = time.perf_counter()
+    metrics: dict[str, float] = {}
+    curves: dict[str, Curve] = {}
+    for name, problems in eval_sets.items():
+        problems = problems[:max_problems]
+        groups = sampler.generate([prompt_ids[p.id] for p in problems], n_samples, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_p=top_p, seed=seed)
+        counts = [int(sum(verifier(c.text, p.answer) for c in group)) for p, group in zip(problems, groups)]
+        curves[name] = [(pt.k, pt.mean, pt.ci_low, pt.ci_high) for pt in pass_at_k_curve(counts, n_samples, seed=seed)]
+        for k, mean, low, high in curves[name]:
+            metrics.update({f"eval/{name}/pass@{k}": mean, f"eval/{name}/pass@{k}_ci_low": low,
+                            f"eval/{name}/pass@{k}_ci_high": high})
+    ks = [k for k, *_ in next(iter(curves.values()))]
+    for k in ks:
+        for suffix in ("", "_ci_low", "_ci_high"):
+            metrics[f"eval/pass@{k}{suffix}"] = float(np.mean([metrics[f"eval/{name}/pass@{k}{suffix}"]
+                                                               for name in curves]))
+    metrics["perf/eval_time_s"] = time.perf_counter() - start
+    if len(curves) == 1:
+        return metrics, next(iter(curves.values()))
+    return metrics, [(k, metrics[f"eval/pass@{k}"], metrics[f"eval/pass@{k}_ci_low"],
+                      metrics[f"eval/pass@{k}_ci_high"]) for k in ks]

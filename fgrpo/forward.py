@@ -1,0 +1,147 @@
+"""The learner's forward: token log-probs (and entropies) of sampled completions under the policy.
+
+Rows come from fgrpo.packing; the LM head runs only on completion positions (fgrpo.logprobs.token_logprobs), so no
+``[B, L, vocab]`` logits tensor is built for prompt tokens. Three attention paths: transformers' own mask from the
+position ids (packed rows), an explicit mask (shared prompts, eager or sdpa), or fgrpo.segment_attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fgrpo.logprobs import token_logprobs
+from fgrpo.packing import Sequence, lay_out_rows
+from fgrpo.segment_attention import SEGMENT_ATTENTION, segment_buckets
+
+
+def mixed_precision(device_type: str, dtype: torch.dtype | None):
+    """Matmuls in ``dtype`` (e.g. bfloat16) over the weights' own dtype; a no-op context when ``dtype`` is None."""
+    return torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+
+def completion_logprobs(
+    model,
+    seqs: list[Sequence],
+    *,
+    pad_id: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    autocast_dtype: torch.dtype | None = None,
+    fused_head: bool = True,
+    rows: list[list[int]] | None = None,
+    share_prompts: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Log-probs of each completion token under ``model`` (with grad if enabled).
+
+    Returns ``(logp [B, T], mask [B, T], entropy [B, T] or None)`` with T the longest completion.
+    Logits are divided by the sampling temperature, so the log-probs are those of the distribution
+    the sampler drew from (as verl does). ``autocast_dtype`` (e.g. bfloat16) runs the matmuls in
+    that dtype over fp32 weights; the log-softmax is always fp32.
+
+    ``fused_head`` computes the LM head and log-softmax in chunks (fgrpo.logprobs.token_logprobs),
+    without a ``[N, vocab]`` tensor in the graph; an entropy with a gradient (``entropy_grad``) takes
+    the straightforward path, which is also the reference the fused one is tested against.
+
+    ``rows`` (indices into ``seqs``, e.g. from :func:`fgrpo.packing.pack_rows`) packs several sequences into each
+    row; None: one right-padded sequence per row. Either way positions restart at each sequence (and
+    at the padding) and no attention mask is passed, so transformers builds its packed-sequence mask
+    from the position ids and each sequence attends only to itself: packed rows give the padded
+    layout's result without its padding. ``share_prompts``: consecutive sequences in a row with the
+    same prompt share one copy of it (:func:`lay_out_rows`), through an explicit attention mask
+    (eager or sdpa attention). With segment attention (fgrpo.segment_attention) no mask is built:
+    each prompt copy and completion is handed its own keys as index tensors instead.
+    """
+    device = next(model.parameters()).device
+    if rows is None:
+        rows = [[i] for i in range(len(seqs))]
+    segments = uses_segment_attention(model)
+    layout = lay_out_rows(seqs, rows, pad_id, device, share_prompts=share_prompts, dense_mask=not segments)
+    targets = torch.tensor([t for s in seqs for t in s.completion_ids], dtype=torch.long, device=device)
+    head = model.get_output_embeddings()
+    fused = fused_head and not (with_entropy and entropy_grad) and getattr(head, "bias", None) is None
+    with mixed_precision(device.type, autocast_dtype):
+        hidden = model.base_model(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False,
+                                  **_attention_inputs(model, layout, segments)).last_hidden_state
+        # only completion positions go through the LM head: [N, hidden] -> [N, vocab]
+        selected_hidden = hidden.flatten(0, 1)[layout.predict_at]
+        logits = None if fused else head(selected_hidden)
+    if fused:
+        if autocast_dtype is not None:
+            selected_hidden = selected_hidden.to(autocast_dtype)
+        flat_logp, flat_entropy = token_logprobs(selected_hidden, head.weight, targets, temperature=temperature,
+                                                 compiled=getattr(head, "compiled_log_softmax", False))
+    else:
+        flat_logp, flat_entropy = _plain_head_logprobs(logits, targets, temperature, with_entropy, entropy_grad)
+
+    lengths = [len(s.completion_ids) for s in seqs]
+    mask = torch.arange(max(lengths), device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+    logp = torch.zeros(mask.shape, dtype=flat_logp.dtype, device=device).masked_scatter(mask, flat_logp)
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(mask.shape, dtype=flat_entropy.dtype, device=device).masked_scatter(mask, flat_entropy)
+    return logp, mask, entropy
+
+
+def _attention_inputs(model, layout, segments: bool) -> dict:
+    """What the base model needs besides ids and positions to keep the row's sequences apart."""
+    if not segments:  # None: transformers builds its packed-sequence mask from the position ids
+        return {"attention_mask": None if layout.allowed is None else _attention_mask(model, layout.allowed)}
+    # each segment gathers its own keys; an empty 4D mask, which transformers passes on as it is, keeps it from
+    # building a [R, 1, W, W] one from the positions
+    device = layout.input_ids.device
+    queries, keys, allowed = segment_buckets(layout.segments, layout.input_ids.numel(), device)
+    return {"attention_mask": torch.ones(layout.input_ids.shape[0], 1, 0, 0, dtype=torch.bool, device=device),
+            "segment_queries": queries, "segment_keys": keys, "segment_allowed": allowed}
+
+
+def _plain_head_logprobs(logits, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
+    """Log-probs (and entropies) from the full ``[N, vocab]`` logits: the reference the fused head is tested against."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_norm = torch.logsumexp(logits, dim=-1)
+    flat_logp = logits.gather(-1, targets[:, None]).squeeze(-1) - log_norm
+    flat_entropy = None
+    if with_entropy:
+        # a metric unless entropy_coef > 0: no graph through the [N, vocab] softmax then
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            probs = torch.softmax(logits, dim=-1)
+            flat_entropy = log_norm - (probs * logits).sum(-1)
+    return flat_logp, flat_entropy
+
+
+def _attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
+    """``allowed`` [R, 1, W, W] in the form the model's attention takes: sdpa a bool mask, eager an additive one."""
+    implementation = model.config._attn_implementation
+    if implementation == "sdpa":
+        return allowed
+    if implementation == "eager":
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    raise ValueError(f"shared prompts need eager, sdpa or segments attention, not {implementation!r}: set "
+                     "hardware.attention=segments (or eager, sdpa), or hardware.share_prompts=false")
+
+
+
+def uses_segment_attention(model) -> bool:
+    """Whether ``model`` attends through fgrpo.segment_attention (hardware.attention=segments)."""
+    return model.config._attn_implementation == SEGMENT_ATTENTION
+
+
+def attention_width_cost(model) -> float:
+    """Attention's work per token slot and unit of row width, relative to the rest of a decoder layer.
+
+    Per token, a layer's matmuls take ``2 * P`` FLOPs (P: its parameters) and attention over a row of
+    width W ``4 * W * hidden`` (scores and weighted sum; the eager kernel computes the masked ones
+    too), so the ratio is ``W * 2 * hidden / P``. 0 where the model has no decoder-layer list, and with
+    segment attention, whose work does not grow with the row width (each segment's keys are gathered).
+    """
+    if uses_segment_attention(model):
+        return 0.0
+    layers = getattr(model.base_model, "layers", None)
+    hidden = getattr(model.config, "hidden_size", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers) or not hidden:
+        return 0.0
+    return 2 * hidden / sum(p.numel() for p in layers[0].parameters())
