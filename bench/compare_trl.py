@@ -234,36 +234,66 @@ def child_ours(spec: dict) -> dict:
 # child: TRL
 
 
+def trl_dataset(cfg, tokenizer):
+    """The training problems as TRL's data set, in the order of fgrpo's loop (its first epoch), served unshuffled."""
+    import numpy as np
+    from datasets import Dataset
+
+    import fgrpo.train as loop
+    from fgrpo.data import build_prompt
+
+    data = loop.load_data(cfg.dataset)
+    order = np.random.default_rng(cfg.seed).permutation(len(data.train))
+    return Dataset.from_list([
+        {
+            "prompt": [{"role": "user", "content": build_prompt(q.question, instruction=cfg.model.instruction)}],
+            "answer": q.answer,
+            "n_prompt_tokens": len(loop.encode_prompt(tokenizer, cfg.model, q.question)),
+        }
+        for q in (data.train[i] for i in order)
+    ])
+
+
+def trl_config(spec: dict, cfg, micro: int, accumulation: int):
+    """GRPOConfig for the same work as ours: one generation of P x G samples and one optimizer step per batch."""
+    from trl import GRPOConfig
+
+    _, g, t = spec["workload"]
+    on_gpu = cfg.hardware.device == "cuda"
+    return GRPOConfig(
+        output_dir=str(Path(spec["workdir"]) / "trl"),
+        per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation,
+        num_generations=g, num_iterations=1, max_completion_length=t, temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=cfg.algo.clip_low, epsilon_high=cfg.algo.clip_high,
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=cfg.trainer.weight_decay, max_grad_norm=cfg.trainer.grad_clip, max_steps=spec["steps"],
+        # on a GPU TRL's usual mixed precision (fp32 weights, bf16 autocast), as ours; on CPU fp32
+        use_vllm=False, bf16=on_gpu, fp16=False, use_cpu=not on_gpu,
+        # on CPU TRL runs without it (its faster setting; ours recomputes layers to save memory by default)
+        gradient_checkpointing=bool(on_gpu and cfg.hardware.gradient_checkpointing),
+        model_init_kwargs={"dtype": "float32"}, shuffle_dataset=False, seed=cfg.seed,
+        logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+        log_completions=False, dataloader_num_workers=0,
+    )
+
+
 def child_trl(spec: dict) -> dict:
     """Run TRL's GRPOTrainer on the same prompts (same order) and return per-step timings."""
     if not trl_available():
         raise SystemExit(TRL_MISSING)
-    import numpy as np
     import torch
-    from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     import fgrpo.train as loop
-    from fgrpo.data import build_prompt
     from fgrpo.verifier import make_verifier
 
     p, g, t = spec["workload"]
     cfg = compose_config(spec)
     folder = loop.resolve_model_folder(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    data = loop.load_data(cfg.dataset)
-    # the same order as fgrpo's loop (its first epoch), served unshuffled
-    order = np.random.default_rng(cfg.seed).permutation(len(data.train))
-    problems = [data.train[i] for i in order]
-    dataset = Dataset.from_list([
-        {
-            "prompt": [{"role": "user", "content": build_prompt(q.question, instruction=cfg.model.instruction)}],
-            "answer": q.answer,
-            "n_prompt_tokens": len(loop.encode_prompt(tokenizer, cfg.model, q.question)),
-        }
-        for q in problems
-    ])
+    dataset = trl_dataset(cfg, tokenizer)
     verify = make_verifier(cfg.dataset.verifier)
     now = {"sample_s": 0.0, "score_s": 0.0, "prep_s": 0.0, "generated_tokens": 0, "prompt_tokens": 0}
 
@@ -318,22 +348,7 @@ def child_trl(spec: dict) -> dict:
     accumulation = p * g // micro
     on_gpu = cfg.hardware.device == "cuda"
     precision = "fp32 + bf16 autocast" if on_gpu else "fp32"
-    args = GRPOConfig(
-        output_dir=str(Path(spec["workdir"]) / "trl"),
-        per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-        steps_per_generation=accumulation,
-        num_generations=g, num_iterations=1, max_completion_length=t, temperature=1.0, top_p=1.0, top_k=0,
-        beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=cfg.algo.clip_low, epsilon_high=cfg.algo.clip_high,
-        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=cfg.trainer.weight_decay, max_grad_norm=cfg.trainer.grad_clip, max_steps=spec["steps"],
-        # on a GPU TRL's usual mixed precision (fp32 weights, bf16 autocast), as ours; on CPU fp32
-        use_vllm=False, bf16=on_gpu, fp16=False, use_cpu=not on_gpu,
-        # on CPU TRL runs without it (its faster setting; ours recomputes layers to save memory by default)
-        gradient_checkpointing=bool(on_gpu and cfg.hardware.gradient_checkpointing),
-        model_init_kwargs={"dtype": "float32"}, shuffle_dataset=False, seed=cfg.seed,
-        logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
-        log_completions=False, dataloader_num_workers=0,
-    )
+    args = trl_config(spec, cfg, micro, accumulation)
     torch.manual_seed(cfg.seed)
     trainer = TimedGRPOTrainer(model=str(folder), reward_funcs=numeric_reward, args=args, train_dataset=dataset,
                                processing_class=tokenizer, callbacks=[StepTimer()])
@@ -559,7 +574,52 @@ def gpu_line() -> str | None:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_workloads(args, systems: list[str], workloads, matmul: dict, workdir: Path) -> dict:
+    """Each workload, each system in its own child process: {name: {system: result or {"error": ...}}}."""
+    workloads_run: dict = {}
+    for p, g, t in workloads:
+        name = f"{p}x{g}x{t}"
+        entry: dict = {}
+        for system in systems:
+            spec = {"workload": [p, g, t], "steps": args.steps, "lr": args.lr, "model": args.model,
+                    "hardware": args.hardware, "sampler": args.sampler, "overrides": args.overrides,
+                    "trl_micro_batch": args.trl_micro_batch}
+            sub = workdir / name
+            sub.mkdir(exist_ok=True)
+            if args.profile and system == "ours":
+                spec["profile"] = str(sub / f"{system}-learner-profile.txt")
+            print(f"[{name}] running {system} ({args.steps} steps) ...", file=sys.stderr)
+            started = time.perf_counter()
+            try:
+                result = run_child(system, spec, sub, sub / f"{system}.log", args.timeout)
+            except RuntimeError as exc:  # e.g. killed for memory: report it, go on with the rest
+                print(f"[{name}] {system} FAILED: {exc}", file=sys.stderr)
+                entry[system] = {"error": str(exc).splitlines()[0]}
+                continue
+            result["wall_s"] = time.perf_counter() - started
+            entry[system] = result
+            print(f"[{name}] {system}: {summarise(result, p, g, matmul)['step_s']:.2f} s/step, "
+                  f"wall {result['wall_s']:.0f} s", file=sys.stderr)
+        workloads_run[name] = entry
+    return workloads_run
+
+
+def add_summaries(report: dict, systems: list[str], matmul: dict) -> None:
+    """Each run's summary against the better matmul reading, and TRL / ours where both ran."""
+    for name, entry in report["workloads"].items():
+        p, g, _ = parse_workload(name)
+        for system in systems:
+            if "error" not in entry.get(system, {"error": None}):
+                entry[system]["summary"] = summarise(entry[system], p, g, matmul)
+        if all("summary" in entry.get(s, {}) for s in SYSTEMS):
+            entry["ratio_trl_over_ours"] = {key: entry["trl"]["summary"][key] / entry["ours"]["summary"][key]
+                                            for key, _, _ in ROWS
+                                            if isinstance(entry["ours"]["summary"].get(key), (int, float))
+                                            and entry["ours"]["summary"][key]
+                                            and isinstance(entry["trl"]["summary"].get(key), (int, float))}
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", action="append", type=parse_workload, metavar="PxGxT",
@@ -589,6 +649,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_spec", help=argparse.SUPPRESS)
     parser.add_argument("--_result", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     if args._child:
@@ -638,47 +703,14 @@ def main(argv: list[str] | None = None) -> int:
                     + f", python {platform.python_version()}",
         "model": args.model, "lr": args.lr, "steps": args.steps, "matmul": matmul, "workloads": {},
     }
-    for p, g, t in workloads:
-        name = f"{p}x{g}x{t}"
-        entry: dict = {}
-        for system in systems:
-            spec = {"workload": [p, g, t], "steps": args.steps, "lr": args.lr, "model": args.model,
-                    "hardware": args.hardware, "sampler": args.sampler, "overrides": args.overrides,
-                    "trl_micro_batch": args.trl_micro_batch}
-            sub = workdir / name
-            sub.mkdir(exist_ok=True)
-            if args.profile and system == "ours":
-                spec["profile"] = str(sub / f"{system}-learner-profile.txt")
-            print(f"[{name}] running {system} ({args.steps} steps) ...", file=sys.stderr)
-            started = time.perf_counter()
-            try:
-                result = run_child(system, spec, sub, sub / f"{system}.log", args.timeout)
-            except RuntimeError as exc:  # e.g. killed for memory: report it, go on with the rest
-                print(f"[{name}] {system} FAILED: {exc}", file=sys.stderr)
-                entry[system] = {"error": str(exc).splitlines()[0]}
-                continue
-            result["wall_s"] = time.perf_counter() - started
-            entry[system] = result
-            print(f"[{name}] {system}: {summarise(result, p, g, matmul)['step_s']:.2f} s/step, "
-                  f"wall {result['wall_s']:.0f} s", file=sys.stderr)
-        report["workloads"][name] = entry
+    report["workloads"] = run_workloads(args, systems, workloads, matmul, workdir)
 
     # the matmul rate moves by up to 1.6x between minutes on a shared 2-core VM: measure it again
     # after the runs and divide by the better reading, so no phase looks closer to the limit than it is
     print("measuring matmul FLOP/s again ...", file=sys.stderr)
     matmul = report["matmul"] = best_matmul(
         matmul, run_child("matmul", matmul_spec, workdir, workdir / "matmul-after.log", args.timeout))
-    for name, entry in report["workloads"].items():
-        p, g, _ = parse_workload(name)
-        for system in systems:
-            if "error" not in entry.get(system, {"error": None}):
-                entry[system]["summary"] = summarise(entry[system], p, g, matmul)
-        if all("summary" in entry.get(s, {}) for s in SYSTEMS):
-            entry["ratio_trl_over_ours"] = {key: entry["trl"]["summary"][key] / entry["ours"]["summary"][key]
-                                            for key, _, _ in ROWS
-                                            if isinstance(entry["ours"]["summary"].get(key), (int, float))
-                                            and entry["ours"]["summary"][key]
-                                            and isinstance(entry["trl"]["summary"].get(key), (int, float))}
+    add_summaries(report, systems, matmul)
 
     table = markdown(report)
     print(table)
