@@ -236,21 +236,21 @@ def child_ours(spec: dict) -> dict:
 
 def trl_dataset(cfg, tokenizer):
     """The training problems as TRL's data set, in the order of fgrpo's loop (its first epoch), served unshuffled."""
-    import numpy as np
     from datasets import Dataset
 
     import fgrpo.train as loop
     from fgrpo.data import build_prompt
+    from fgrpo.rollouts import ProblemStream
 
     data = loop.load_data(cfg.dataset)
-    order = np.random.default_rng(cfg.seed).permutation(len(data.train))
+    first_epoch = ProblemStream(data.train, seed=cfg.seed).take(len(data.train))
     return Dataset.from_list([
         {
             "prompt": [{"role": "user", "content": build_prompt(q.question, instruction=cfg.model.instruction)}],
             "answer": q.answer,
             "n_prompt_tokens": len(loop.encode_prompt(tokenizer, cfg.model, q.question)),
         }
-        for q in (data.train[i] for i in order)
+        for q in first_epoch
     ])
 
 

@@ -14,8 +14,6 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 # the values of hardware.autocast_dtype and hardware.sampler_dtype (fgrpo.precision settles auto); null autocast
 # means the same as float32: the matmuls run in the weights' own dtype
-AUTOCAST_CHOICES = ("auto", "float32", "bfloat16", "float16", None)
-SAMPLER_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -189,8 +187,15 @@ class ConfigError(ValueError):
 
 def validate(cfg: DictConfig | Config) -> None:
     """Range checks that must fail before the model loads. Raises ConfigError listing every problem."""
-    from fgrpo.losses import AGG_MODES, ALGOS  # names registered with the code that implements them
+    # every list of allowed names lives with the code that implements them
+    from fgrpo.data import DATASET_KINDS
+    from fgrpo.forward import ATTENTIONS
+    from fgrpo.losses import AGG_MODES, ALGOS
+    from fgrpo.model import DEVICES, MODEL_SOURCES, WEIGHT_DTYPES
+    from fgrpo.precision import AUTOCAST_CHOICES, SAMPLER_CHOICES
+    from fgrpo.samplers import SAMPLERS
     from fgrpo.tracking import BACKENDS, WANDB_MODES
+    from fgrpo.verifier import VERIFIER_KINDS
 
     problems: list[str] = []
 
@@ -217,17 +222,17 @@ def validate(cfg: DictConfig | Config) -> None:
     need(cfg.eval.every >= 0, "eval.every", cfg.eval.every, "must be >= 0 (0 = evaluate before and after training only)")
     need(cfg.eval.n_samples >= 1, "eval.n_samples", cfg.eval.n_samples, "must be >= 1")
     need(cfg.eval.max_problems >= 1, "eval.max_problems", cfg.eval.max_problems, "must be >= 1")
-    need(cfg.sampler.name in ("vllm", "hf"), "sampler.name", cfg.sampler.name, "must be vllm or hf")
+    need(cfg.sampler.name in SAMPLERS, "sampler.name", cfg.sampler.name, f"must be one of {SAMPLERS}")
     need(cfg.sampler.max_new_tokens >= 1, "sampler.max_new_tokens", cfg.sampler.max_new_tokens, "must be >= 1")
     need(cfg.sampler.temperature > 0, "sampler.temperature", cfg.sampler.temperature,
          "must be > 0 (RL needs sampling; the paper uses 1.0)")
     need(0 < cfg.sampler.top_p <= 1, "sampler.top_p", cfg.sampler.top_p, "must be in (0, 1]")
-    need(cfg.hardware.device in ("cpu", "cuda"), "hardware.device", cfg.hardware.device, "must be cpu or cuda")
+    need(cfg.hardware.device in DEVICES, "hardware.device", cfg.hardware.device, f"must be one of {DEVICES}")
     need(cfg.hardware.micro_batch_size >= 1, "hardware.micro_batch_size", cfg.hardware.micro_batch_size, "must be >= 1")
     tokens = cfg.hardware.get("micro_batch_tokens")
     need(tokens is None or tokens >= 1, "hardware.micro_batch_tokens", tokens, "must be >= 1, or null to pad each sequence")
-    need(cfg.hardware.attention in ("sdpa", "eager", "segments"), "hardware.attention", cfg.hardware.attention,
-         "must be sdpa, eager or segments")
+    need(cfg.hardware.attention in ATTENTIONS, "hardware.attention", cfg.hardware.attention,
+         f"must be one of {ATTENTIONS}")
     need(not cfg.hardware.get("share_prompts") or tokens is not None, "hardware.share_prompts", True,
          "needs packed rows: set hardware.micro_batch_tokens (e.g. 4096), or hardware.share_prompts=false")
     kept = cfg.hardware.keep_matmul_outputs_gib
@@ -244,14 +249,14 @@ def validate(cfg: DictConfig | Config) -> None:
          "float16")
     need(cfg.hardware.sampler_dtype in SAMPLER_CHOICES, "hardware.sampler_dtype", cfg.hardware.sampler_dtype,
          "must be auto (bfloat16 where this machine runs it natively, else float32), float32, bfloat16 or float16")
-    need(cfg.hardware.learner_dtype in ("float32", "bfloat16", "float16"), "hardware.learner_dtype",
-         cfg.hardware.learner_dtype, "must be float32, bfloat16 or float16")
-    need(cfg.model.source in ("bundled", "random", "hub"), "model.source", cfg.model.source,
-         "must be bundled, random or hub")
+    need(cfg.hardware.learner_dtype in WEIGHT_DTYPES, "hardware.learner_dtype", cfg.hardware.learner_dtype,
+         f"must be one of {WEIGHT_DTYPES}")
+    need(cfg.model.source in MODEL_SOURCES, "model.source", cfg.model.source, f"must be one of {MODEL_SOURCES}")
     need(cfg.model.source != "hub" or bool(cfg.model.path), "model.path", cfg.model.path,
          "a hub model needs model.path (a hub id or a local folder)")
-    need(cfg.dataset.kind in ("arithmetic", "sources"), "dataset.kind", cfg.dataset.kind, "must be arithmetic or sources")
-    need(cfg.dataset.verifier in ("numeric", "math"), "dataset.verifier", cfg.dataset.verifier, "must be numeric or math")
+    need(cfg.dataset.kind in DATASET_KINDS, "dataset.kind", cfg.dataset.kind, f"must be one of {DATASET_KINDS}")
+    need(cfg.dataset.verifier in VERIFIER_KINDS, "dataset.verifier", cfg.dataset.verifier,
+         f"must be one of {VERIFIER_KINDS}")
     need(cfg.logger.name in BACKENDS, "logger.name", cfg.logger.name, f"must be one of {BACKENDS}")
     need(cfg.logger.mode is None or cfg.logger.mode in WANDB_MODES, "logger.mode", cfg.logger.mode,
          f"must be one of {WANDB_MODES} (or unset: $WANDB_MODE, else offline)")

@@ -49,6 +49,7 @@ class Problem:
 
 ARITHMETIC_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 LOADER_KINDS = ("file", "hub")
+DATASET_KINDS = ("arithmetic", "sources")  # dataset.kind: generated in-process, or loaded from files / the hub
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """File extension -> the ``datasets`` builder that reads it."""
 

@@ -13,6 +13,9 @@ from fgrpo.logprobs import token_logprobs
 from fgrpo.packing import Sequence, lay_out_rows
 from fgrpo.segment_attention import SEGMENT_ATTENTION, segment_buckets
 
+# hardware.attention: transformers' sdpa or eager kernels, or fgrpo.segment_attention in packed rows
+ATTENTIONS = ("sdpa", "eager", "segments")
+
 
 def mixed_precision(device_type: str, dtype: torch.dtype | None):
     """Matmuls in ``dtype`` (e.g. bfloat16) over the weights' own dtype; a no-op context when ``dtype`` is None."""

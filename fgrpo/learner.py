@@ -27,26 +27,28 @@ log = logging.getLogger("fgrpo")
 
 @dataclass(frozen=True)
 class LearnerSettings:
-    """How the learner computes (the ``hardware`` config group) and steps (``trainer``); see conf/hardware/*.yaml."""
+    """How the learner computes (the ``hardware`` config group) and steps (``trainer``). No defaults here: they live
+    in the config schemas (fgrpo/config.py), and ``fgrpo.train.learner_settings(cfg)`` builds this from a config."""
 
+    model_name: str  # for messages
     max_new_tokens: int  # the sampler's limit: Dr. GRPO's norm constant (loss_agg=seq-mean-token-sum-norm)
-    temperature: float = 1.0  # the sampler's: log-probs of the distribution the samples were drawn from
-    device: str = "cpu"
-    dtype: str = "float32"  # the weights and the optimizer state
-    autocast_dtype: str | None = None  # the matmuls' dtype; None: the weights' own
-    attention: str = "sdpa"  # sdpa | eager | segments
-    compile: bool = False
-    gradient_checkpointing: bool = False
-    kept_matmul_gib: float = 0.0  # per micro-batch, for layers that keep their matmul outputs (needs both above)
-    micro_batch_size: int = 8  # sequences per padded micro-batch, when micro_batch_tokens is None
-    micro_batch_tokens: int | None = None  # token slots per micro-batch of packed rows
-    share_prompts: bool = False
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.01
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-    mini_batches: int = 1  # optimizer steps per batch (PPO mini-batches); 1: on-policy
+    temperature: float  # the sampler's: log-probs of the distribution the samples were drawn from
+    device: str  # a name in fgrpo.model.DEVICES
+    dtype: str  # the weights and the optimizer state
+    autocast_dtype: str | None  # the matmuls' dtype; None: the weights' own
+    attention: str  # a name in fgrpo.forward.ATTENTIONS
+    compile: bool
+    gradient_checkpointing: bool
+    kept_matmul_gib: float  # per micro-batch, for layers that keep their matmul outputs (needs both above)
+    micro_batch_size: int  # sequences per padded micro-batch, when micro_batch_tokens is None
+    micro_batch_tokens: int | None  # token slots per micro-batch of packed rows
+    share_prompts: bool
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    warmup_steps: int
+    grad_clip: float
+    mini_batches: int  # optimizer steps per batch (PPO mini-batches); 1: on-policy
 
 
 class Learner:
@@ -54,6 +56,9 @@ class Learner:
 
     ``generates`` (sampler=hf): the policy also samples, so its layers are compiled only where autograd records
     (a KV cache would recompile them at each length).
+
+    The process-wide memory settings (glibc's, the matmul kernel caches') are not made here: they must be in
+    place before vLLM starts, so ``fgrpo.train.prepare`` sets them (fgrpo.process_memory).
     """
 
     def __init__(self, folder: Path, settings: LearnerSettings, loss: LossSettings, *, pad_id: int,
@@ -66,7 +71,8 @@ class Learner:
             self.policy.gradient_checkpointing_enable()
         if settings.compile and not compile_decoder_layers(self.policy, grad_only=generates,
                                                            selective_checkpoint=settings.kept_matmul_gib > 0):
-            log.warning("hardware.compile_learner: %s has no decoder-layer list to compile; running eager", folder.name)
+            log.warning("hardware.compile_learner: %s has no decoder-layer list to compile; running eager",
+                        settings.model_name)
         self.reference = None
         if loss.kl_coef > 0:
             self.reference = load_policy(folder, dtype=settings.dtype, device=settings.device,

@@ -21,14 +21,15 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 
 @dataclass(frozen=True)
 class LossSettings:
-    """One algorithm's policy loss (the ``algo`` config group): what :func:`policy_loss` takes besides tensors."""
+    """One algorithm's policy loss (the ``algo`` config group): what :func:`policy_loss` takes besides tensors. No
+    defaults: they live in the config schema (``AlgoConfig``); ``fgrpo.train.loss_settings(cfg.algo)`` builds it."""
 
     algo: str  # a name in ALGOS
     clip_low: float
     clip_high: float
-    agg: str = "token-mean"  # a name in AGG_MODES
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
+    agg: str  # a name in AGG_MODES
+    kl_coef: float  # 0: no KL term (the paper's setting)
+    entropy_coef: float  # 0: no entropy bonus
 
 
 def _check_token_tensors(**tensors: torch.Tensor) -> torch.Size:

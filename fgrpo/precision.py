@@ -32,6 +32,9 @@ BF16_MIN_SPEEDUP = 1.5
 BF16_SLOW_FRACTION = 0.5
 # [rows, hidden] @ [hidden, intermediate] of SmolLM2-135M's MLP: a matmul the learner and vLLM both run.
 # 64 rows keep an emulated bf16 probe to a few seconds (0.1-0.2 GFLOP/s on AVX2-only CPUs)
+# what hardware.autocast_dtype and hardware.sampler_dtype accept (None / float32: matmuls in the weights' dtype)
+AUTOCAST_CHOICES = ("auto", "float32", "bfloat16", "float16", None)
+SAMPLER_CHOICES = ("auto", "float32", "bfloat16", "float16")
 PROBE_SHAPE = (64, 576, 1536)
 PROBE_BUDGET_S = 0.2  # both dtypes, taking turns: repeat while this lasts, keep the best of each
 PROBE_MIN_ROUNDS = 3

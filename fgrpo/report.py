@@ -27,7 +27,8 @@ from fgrpo.tracking import read_metrics
 CELL_KEYS = ("algo.name", "focal.gamma")
 # what `auto` settles per job from the machine it runs on (fgrpo.precision), written into its saved config
 SETTLED_KEYS = {"hardware.autocast_dtype", "hardware.sampler_dtype", "hardware.keep_matmul_outputs_gib"}
-FREE_KEYS = ("seed", "run_name", "logger.group", "logger.tags", "logger.mode", "trainer.save_final")
+FREE_KEYS = ("seed", "run_name", "logger.group", "logger.tags", "logger.mode", "trainer.save_final",
+             "trainer.profile_step")
 
 
 class ReportError(ValueError):

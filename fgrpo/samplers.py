@@ -21,6 +21,8 @@ from fgrpo.process_memory import discard_pages
 
 log = logging.getLogger("fgrpo")
 
+SAMPLERS = ("vllm", "hf")  # sampler.name: VLLMSampler, HFSampler
+
 
 @dataclass
 class Completion:

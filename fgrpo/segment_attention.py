@@ -1,6 +1,6 @@
 """Attention over the segments of a packed learner batch, without the masked-out square.
 
-In the learner's rows (fgrpo.learner._lay_out_rows) each completion attends to its prompt and,
+In the learner's rows (fgrpo.packing.lay_out_rows) each completion attends to its prompt and,
 causally, to itself; each prompt to itself. A dense attention over a row of width W computes all
 W x W scores and masks most of them away: at 8x8x128 with shared prompts, rows of ~550 slots hold
 a prompt and 4-8 completions, and about 3/4 of the scores are masked. Here each segment (a prompt

@@ -163,7 +163,7 @@ def prepare(cfg: DictConfig, saved_config: Path | None = None) -> Run:
 def learner_settings(cfg: DictConfig) -> LearnerSettings:
     hw, trainer = cfg.hardware, cfg.trainer
     return LearnerSettings(
-        max_new_tokens=cfg.sampler.max_new_tokens, temperature=cfg.sampler.temperature, device=hw.device,
+        model_name=cfg.model.name, max_new_tokens=cfg.sampler.max_new_tokens, temperature=cfg.sampler.temperature, device=hw.device,
         dtype=hw.learner_dtype, autocast_dtype=hw.autocast_dtype, attention=hw.attention, compile=hw.compile_learner,
         gradient_checkpointing=hw.gradient_checkpointing, kept_matmul_gib=hw.keep_matmul_outputs_gib,
         micro_batch_size=hw.micro_batch_size, micro_batch_tokens=hw.micro_batch_tokens,

@@ -74,12 +74,12 @@ def test_unknown_group_option_lists_choices(compose):
         ("sampler.temperature=0", "sampler.temperature"),
         ("eval.n_samples=0", "eval.n_samples"),
         ("logger.mode=sometimes", "logger.mode"),
-        ("hardware.attention=flash", "hardware.attention='flash': must be sdpa, eager or segments"),
+        ("hardware.attention=flash", "hardware.attention='flash': must be one of ('sdpa', 'eager', 'segments')"),
         ("hardware.sampler_kv_cache_gib=0", "hardware.sampler_kv_cache_gib=0.0: must be > 0"),
         ("hardware.autocast_dtype=fp16", "hardware.autocast_dtype='fp16': must be auto (bfloat16 where this machine "
                                          "runs it natively), float32 or null (no autocast), bfloat16 or float16"),
         ("hardware.sampler_dtype=half", "hardware.sampler_dtype='half': must be auto"),
-        ("hardware.learner_dtype=auto", "hardware.learner_dtype='auto': must be float32, bfloat16 or float16"),
+        ("hardware.learner_dtype=auto", "hardware.learner_dtype='auto': must be one of ('float32', 'bfloat16', 'float16')"),
     ],
 )
 def test_range_checks_name_key_and_value(compose, override, message):

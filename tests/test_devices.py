@@ -66,7 +66,7 @@ def update_on(device, model, *, autocast_dtype=None, attention=None, compiled=Fa
     prompts = [torch.randint(1, 97, (5 + i,), generator=gen).tolist() for i in range(2)]  # two groups of 4
     seqs = [Sequence(prompts[i // 4], torch.randint(1, 97, (3 + i % 4,), generator=gen).tolist(), advantage=(-1.0) ** i)
             for i in range(8)]
-    algo = LossSettings(algo="dapo", clip_low=0.2, clip_high=0.28)
+    algo = LossSettings(algo="dapo", clip_low=0.2, clip_high=0.28, agg="token-mean", kl_coef=0.0, entropy_coef=0.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     metrics = update_policy(model, optimizer, seqs, loss=algo, pad_id=0, temperature=0.8, micro_batch_size=3,
                             grad_clip=1e9, max_new_tokens=8, autocast_dtype=autocast_dtype, **learner_options)

@@ -1,10 +1,11 @@
 """The loop's data side: problems in epoch order, DAPO's dynamic sampling, the sequences the learner gets."""
 
 import numpy as np
+import pytest
 import torch
 
 from fgrpo.data import Problem
-from fgrpo.rollouts import Groups, ProblemStream, collect_groups, learner_sequences
+from fgrpo.rollouts import Groups, ProblemStream, collect_groups, learner_sequences, overlong_penalty
 from fgrpo.samplers import Completion
 
 
@@ -72,3 +73,11 @@ def test_learner_sequences_carry_their_advantage_and_skip_empty_completions():
     seqs = learner_sequences(groups, advantages, {"p0": [1, 2], "p1": [3]})
     assert [(s.prompt_ids, s.completion_ids, s.advantage) for s in seqs] == [
         ([1, 2], [5], 0.5), ([3], [6, 7], -0.25), ([3], [8], 0.25)]
+
+
+def test_overlong_penalty_follows_dapo():
+    # max 32 tokens, buffer 16: no penalty up to 16, then linear down to -1 at 32
+    assert overlong_penalty(10, 32, 16, 1.0) == 0.0
+    assert overlong_penalty(16, 32, 16, 1.0) == 0.0
+    assert overlong_penalty(24, 32, 16, 1.0) == pytest.approx(-0.5)
+    assert overlong_penalty(32, 32, 16, 0.5) == pytest.approx(-0.5)

@@ -281,16 +281,6 @@ def test_interrupt_record_raises_as_python_does_and_restores_the_handler_before(
         signal.signal(signal.SIGINT, previous)
 
 
-def test_overlong_penalty_follows_dapo():
-    from fgrpo.rollouts import overlong_penalty
-
-    # max 32 tokens, buffer 16: no penalty up to 16, then linear down to -1 at 32
-    assert overlong_penalty(10, 32, 16, 1.0) == 0.0
-    assert overlong_penalty(16, 32, 16, 1.0) == 0.0
-    assert overlong_penalty(24, 32, 16, 1.0) == pytest.approx(-0.5)
-    assert overlong_penalty(32, 32, 16, 0.5) == pytest.approx(-0.5)
-
-
 def test_dapo_options_run_and_skip_steps_without_mixed_groups(tmp_path):
     # a random model earns no reward: dynamic sampling finds no mixed group, so every step is skipped
     # with a warning rather than training on zero advantages
