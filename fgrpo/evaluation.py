@@ -8,6 +8,7 @@ import numpy as np
 
 from fgrpo.data import Problem
 from fgrpo.metrics import pass_at_k_curve
+from fgrpo.rollouts import sample_groups
 
 Curve = list[tuple[int, float, float, float]]  # (k, pass@k, ci_low, ci_high)
 
@@ -24,10 +25,9 @@ def evaluate(sampler, eval_sets: dict[str, list[Problem]], prompt_ids: dict[str,
     metrics: dict[str, float] = {}
     curves: dict[str, Curve] = {}
     for name, problems in eval_sets.items():
-        problems = problems[:max_problems]
-        groups = sampler.generate([prompt_ids[p.id] for p in problems], n_samples, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, top_p=top_p, seed=seed)
-        counts = [int(sum(verifier(c.text, p.answer) for c in group)) for p, group in zip(problems, groups)]
+        groups = sample_groups(sampler, problems[:max_problems], prompt_ids, verifier, group_size=n_samples,
+                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        counts = groups.correct.sum(dim=1).int().tolist()
         curves[name] = [(pt.k, pt.mean, pt.ci_low, pt.ci_high) for pt in pass_at_k_curve(counts, n_samples, seed=seed)]
         for k, mean, low, high in curves[name]:
             metrics.update({f"eval/{name}/pass@{k}": mean, f"eval/{name}/pass@{k}_ci_low": low,

@@ -245,4 +245,5 @@ def _micro_batch_loss(model, micro: MicroBatch, loss: LossSettings, counts: dict
         ref_logp=ref_logp, kl_coef=loss.kl_coef, entropy=entropy if loss.entropy_coef > 0 else None,
         entropy_coef=loss.entropy_coef, **counts,
     )
-    return micro_loss, metrics, float(mask.sum()), float((entropy.detach() * mask).sum())
+    tokens = sum(len(s.completion_ids) for s in micro.seqs)  # = mask.sum(), known on the host
+    return micro_loss, metrics, float(tokens), float((entropy.detach() * mask).sum())
