@@ -106,6 +106,9 @@ class HardwareConfig:
     sampler_kv_cache_gib: float = 2.0  # vLLM on CPU: KV cache size
     sampler_gpu_memory_utilization: float = 0.35  # vLLM on GPU: the learner shares the card
     gradient_checkpointing: bool = False
+    # several GPUs (a sharded learner): parameters, gradients and AdamW state in CPU memory between uses (FSDP2's
+    # CPUOffloadPolicy): a big model on few GPUs, slower
+    cpu_offload: bool = False
     # with gradient_checkpointing and compile_learner: per micro-batch, up to this much memory keeps layers' matmul
     # outputs, so that their backward recomputes only the cheap rest (norms, attention scores, SiLU); 0: none kept;
     # auto: 0.3 GiB of bf16 outputs or 0.6 of fp32 ones (the same layers), 0 without checkpointed compiled layers

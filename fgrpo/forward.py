@@ -7,9 +7,11 @@ position ids (packed rows), an explicit mask (shared prompts, eager or sdpa), or
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from fgrpo.logprobs import token_logprobs
+from fgrpo.logprobs import at_least_fp32, token_logprobs
 from fgrpo.packing import Sequence, lay_out_rows
 from fgrpo.segment_attention import SEGMENT_ATTENTION, segment_buckets
 
@@ -64,19 +66,11 @@ def completion_logprobs(
     targets = torch.tensor([t for s in seqs for t in s.completion_ids], dtype=torch.long, device=device)
     head = model.get_output_embeddings()
     fused = fused_head and not (with_entropy and entropy_grad) and getattr(head, "bias", None) is None
-    with mixed_precision(device.type, autocast_dtype):
-        hidden = model.base_model(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False,
-                                  **_attention_inputs(model, layout, segments)).last_hidden_state
-        # only completion positions go through the LM head: [N, hidden] -> [N, vocab]
-        selected_hidden = hidden.flatten(0, 1)[layout.predict_at]
-        logits = None if fused else head(selected_hidden)
-    if fused:
-        if autocast_dtype is not None:
-            selected_hidden = selected_hidden.to(autocast_dtype)
-        flat_logp, flat_entropy = token_logprobs(selected_hidden, head.weight, targets, temperature=temperature,
-                                                 compiled=getattr(head, "compiled_log_softmax", False))
-    else:
-        flat_logp, flat_entropy = _plain_head_logprobs(logits, targets, temperature, with_entropy, entropy_grad)
+    # through the FSDP2 root when the learner is sharded
+    model_pass = model.__dict__.get(SHARDED_PASS) or functools.partial(_logprobs_pass, model)
+    flat_logp, flat_entropy = model_pass(
+        layout.input_ids, layout.position_ids, layout.predict_at, targets, _attention_inputs(model, layout, segments), temperature=temperature, fused=fused,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, autocast_dtype=autocast_dtype)
 
     lengths = [len(s.completion_ids) for s in seqs]
     mask = torch.arange(max(lengths), device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
@@ -85,6 +79,47 @@ def completion_logprobs(
     if with_entropy:
         entropy = torch.zeros(mask.shape, dtype=flat_entropy.dtype, device=device).masked_scatter(mask, flat_entropy)
     return logp, mask, entropy
+
+
+def _logprobs_pass(model, input_ids, position_ids, predict_at, targets, attention_inputs: dict, *, temperature: float,
+                   fused: bool, with_entropy: bool, entropy_grad: bool, autocast_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's part of :func:`completion_logprobs`: flat log-probs (and entropies) of the ``targets`` predicted
+    at the flat positions ``predict_at``."""
+    head = model.get_output_embeddings()
+    with mixed_precision(input_ids.device.type, autocast_dtype):
+        hidden = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                  **attention_inputs).last_hidden_state
+        # only completion positions go through the LM head: [N, hidden] -> [N, vocab]
+        selected_hidden = hidden.flatten(0, 1)[predict_at]
+        logits = None if fused else head(selected_hidden)
+    if fused:
+        if autocast_dtype is not None:
+            selected_hidden = selected_hidden.to(autocast_dtype)
+        return token_logprobs(selected_hidden, head.weight, targets, temperature=temperature,
+                              compiled=getattr(head, "compiled_log_softmax", False))
+    return _plain_head_logprobs(logits, targets, temperature, with_entropy, entropy_grad)
+
+
+# the attribute of a sharded policy that holds its PolicyPass (a plain attribute, not a submodule: no cycle)
+SHARDED_PASS = "fgrpo_sharded_pass"
+
+
+class PolicyPass(torch.nn.Module):
+    """The policy's whole log-prob pass (base model and LM head) as one module call. A sharded learner
+    (fgrpo.learner, FSDP2) makes this the root it shards: the root's forward gathers the embedding, the final norm
+    and the LM head for the pass (the fused head reads ``head.weight`` itself, outside any ``forward`` of the HF
+    model), and its backward reduces their gradients. ``attach`` makes :func:`completion_logprobs` call it."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+
+    def attach(self) -> PolicyPass:
+        self.policy.__dict__[SHARDED_PASS] = self
+        return self
+
+    def forward(self, *args, **kwargs):
+        return _logprobs_pass(self.policy, *args, **kwargs)
 
 
 def _attention_inputs(model, layout, segments: bool) -> dict:
@@ -101,7 +136,7 @@ def _attention_inputs(model, layout, segments: bool) -> dict:
 
 def _plain_head_logprobs(logits, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
     """Log-probs (and entropies) from the full ``[N, vocab]`` logits: the reference the fused head is tested against."""
-    logits = logits.float()
+    logits = logits.to(at_least_fp32(logits.dtype))
     if temperature != 1.0:
         logits = logits / temperature
     log_norm = torch.logsumexp(logits, dim=-1)

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fgrpo import distributed
 from fgrpo.compiled_layers import compile_decoder_layers, keep_matmul_outputs, matmul_output_bytes
-from fgrpo.forward import attention_width_cost, completion_logprobs, uses_segment_attention
+from fgrpo.forward import PolicyPass, attention_width_cost, completion_logprobs, uses_segment_attention
 from fgrpo.losses import LossSettings, policy_loss
 from fgrpo.packing import MicroBatch, Sequence, micro_batches
 from fgrpo.process_memory import release_freed_memory
@@ -39,6 +40,7 @@ class LearnerSettings:
     attention: str  # a name in fgrpo.forward.ATTENTIONS
     compile: bool
     gradient_checkpointing: bool
+    cpu_offload: bool  # sharded on GPUs: parameters, gradients and optimizer state in CPU memory (FSDP2's offload)
     kept_matmul_gib: float  # per micro-batch, for layers that keep their matmul outputs (needs both above)
     micro_batch_size: int  # sequences per padded micro-batch, when micro_batch_tokens is None
     micro_batch_tokens: int | None  # token slots per micro-batch of packed rows
@@ -53,6 +55,10 @@ class LearnerSettings:
 
 class Learner:
     """Owns the policy and its optimizer; ``update(seqs)`` is one step of the algorithm on a sampled batch.
+
+    With several processes (fgrpo.distributed) the policy is sharded with FSDP2 (:func:`shard_policy`): each rank
+    holds a slice of the fp32 weights, gradients and AdamW moments, updates on its own share of the batch, and the
+    update equals one process's on the whole batch (:func:`update_policy`).
 
     ``generates`` (sampler=hf): the policy also samples, so its layers are compiled only where autograd records
     (a KV cache would recompile them at each length).
@@ -73,10 +79,17 @@ class Learner:
                                                            selective_checkpoint=settings.kept_matmul_gib > 0):
             log.warning("hardware.compile_learner: %s has no decoder-layer list to compile; running eager",
                         settings.model_name)
+        self.sharded = distributed.active()
+        if self.sharded:
+            shard_policy(self.policy, device=settings.device, autocast_dtype=settings.autocast_dtype,
+                         cpu_offload=settings.cpu_offload)
         self.reference = None
         if loss.kl_coef > 0:
             self.reference = load_policy(folder, dtype=settings.dtype, device=settings.device,
                                          attention=settings.attention).eval().requires_grad_(False)
+            if self.sharded:
+                shard_policy(self.reference, device=settings.device, autocast_dtype=settings.autocast_dtype,
+                             cpu_offload=settings.cpu_offload)
         # fused: one kernel over all parameters (on CPU 9x faster than the default per-tensor loop, same math)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=settings.lr, betas=tuple(settings.betas),
                                            weight_decay=settings.weight_decay, fused=True)
@@ -103,7 +116,8 @@ class Learner:
             update_policy(self.policy, self.optimizer, [seqs[i] for i in chunk], loss=self.loss, grad_clip=s.grad_clip,
                           max_new_tokens=s.max_new_tokens, ref_model=self.reference,
                           kept_matmul_bytes=int(s.kept_matmul_gib * 2**30), **layout)
-            for chunk in np.array_split(order, s.mini_batches) if len(chunk)
+            # sharded: every rank steps mini_batches times, with or without sequences of its own
+            for chunk in np.array_split(order, s.mini_batches) if len(chunk) or self.sharded
         ]
         self.scheduler.step()
         out = {key: float(np.mean([r[key] for r in results])) for key in results[0]}
@@ -129,9 +143,56 @@ class Learner:
         self.scheduler.load_state_dict(state["scheduler"])
 
     def save_pretrained(self, folder: Path, tokenizer=None) -> None:
-        self.policy.save_pretrained(folder)
+        """The policy as an HF folder; sharded, every rank takes part in gathering the weights and rank 0 writes."""
+        state = None
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if not torch.distributed.get_rank() == 0:
+                return
+        self.policy.save_pretrained(folder, state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
+
+
+def shard_policy(policy, *, device: str, autocast_dtype: str | None = None, cpu_offload: bool = False) -> None:
+    """FSDP2 over the process group: each decoder layer its own unit, then the rest (embedding, final norm, LM head)
+    as the root, which is a :class:`~fgrpo.forward.PolicyPass` around the policy so that the learner's log-prob
+    pass (base model, then the fused LM head) runs inside the root's forward. On GPU the layers compute in the
+    autocast dtype over fp32 master weights, with gradients reduced in fp32; ``cpu_offload`` keeps parameters,
+    gradients and optimizer state in CPU memory between uses."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    options = {}
+    if device == "cuda" and autocast_dtype:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, autocast_dtype), reduce_dtype=torch.float32)
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    layers = getattr(policy.base_model, "layers", None)
+    for layer in layers if isinstance(layers, torch.nn.ModuleList) else []:
+        fully_shard(layer, **options)
+    fully_shard(PolicyPass(policy).attach(), **options)
+
+
+def matched_micro_batches(model, seqs: list[Sequence], *, pad_id: int, micro_batch_size: int,
+                          micro_batch_tokens: int | None, share_prompts: bool) -> tuple[list[MicroBatch], int]:
+    """``seqs``' micro-batches, then, with a sharded model, fillers up to the most any rank has; and how many are
+    real. Each forward and backward of a sharded model is a collective: a rank that ran one fewer would leave the
+    others waiting forever. A filler is one pad-token sequence whose loss counts zero."""
+    layout = dict(size=micro_batch_size, tokens=micro_batch_tokens, width_cost=attention_width_cost(model),
+                  share_prompts=share_prompts, one_row=uses_segment_attention(model))
+    micros = list(micro_batches(seqs, **layout))
+    real = len(micros)
+    most = int(distributed.max_over_ranks([real])[0])
+    if most > real:
+        filler = next(iter(micro_batches([Sequence([pad_id], [pad_id])], **layout)))
+        micros += [filler] * (most - real)
+    return micros, real
+
+
+# the loss's metrics averaged over the batch's completion tokens (those of them that the algorithm reports)
+TOKEN_WEIGHTED_METRICS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "kl_ref")
 
 
 @torch.no_grad()
@@ -142,14 +203,14 @@ def fill_old_logprobs(
     """Record each sequence's log-probs under the current (sampling) policy, for off-policy mini-batches."""
     was_training = model.training
     model.eval()
-    width_cost = attention_width_cost(model)
-    for micro in micro_batches(seqs, size=micro_batch_size, tokens=micro_batch_tokens, width_cost=width_cost,
-                               share_prompts=share_prompts, one_row=uses_segment_attention(model)):
+    micros, real = matched_micro_batches(model, seqs, pad_id=pad_id, micro_batch_size=micro_batch_size,
+                                         micro_batch_tokens=micro_batch_tokens, share_prompts=share_prompts)
+    for index, micro in enumerate(micros):
         logp, mask, _ = completion_logprobs(
             model, micro.seqs, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype, rows=micro.rows,
             share_prompts=micro.share_prompts,
         )
-        for row, seq in enumerate(micro.seqs):
+        for row, seq in enumerate(micro.seqs if index < real else []):
             seq.old_logp = logp[row, : len(seq.completion_ids)].detach().clone()
     model.train(was_training)
 
@@ -179,18 +240,30 @@ def update_policy(
     ``ref_model`` (frozen) is needed only for the optional KL penalty, ``loss.kl_coef > 0``.
     ``kept_matmul_bytes``: per micro-batch, as many layers as fit in it keep their matmul outputs for
     the backward instead of recomputing them (fgrpo.compiled_layers.keep_matmul_outputs); 0 for none.
+
+    Sharded (fgrpo.distributed; ``seqs`` this rank's share, maybe none): the counts are the whole batch's, summed
+    over the ranks, each rank's loss is its share of the batch's, and FSDP's gradient average over the ranks is
+    undone by a factor of the world size, so the step equals one process's on the whole batch. The metrics are
+    the whole batch's too.
     """
-    counts = dict(num_tokens=float(sum(len(s.completion_ids) for s in seqs)), num_seqs=float(len(seqs)),
-                  norm_constant=float(max_new_tokens))
+    num_tokens, num_seqs = distributed.sum_over_ranks([sum(len(s.completion_ids) for s in seqs), len(seqs)])
+    counts = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=float(max_new_tokens))
+    world = distributed.world_size()
     optimizer.zero_grad(set_to_none=True)
-    totals: dict[str, float] = {}
+    totals = dict.fromkeys(TOKEN_WEIGHTED_METRICS + ("entropy",), 0.0)
     ratio_max = loss_total = 0.0
     padded_tokens = computed_tokens = kept_slots = 0
     kept_per_slot = matmul_output_bytes(model, autocast_dtype) if kept_matmul_bytes else 0
     layers = model.config.num_hidden_layers
-    for micro in micro_batches(seqs, size=micro_batch_size, tokens=micro_batch_tokens,
-                               width_cost=attention_width_cost(model), share_prompts=share_prompts,
-                               one_row=uses_segment_attention(model)):
+    present: set[str] = set()  # the token-weighted metrics this loss reports
+    micros, real = matched_micro_batches(model, seqs, pad_id=pad_id, micro_batch_size=micro_batch_size,
+                                         micro_batch_tokens=micro_batch_tokens, share_prompts=share_prompts)
+    for index, micro in enumerate(micros):
+        if index >= real:  # a filler: the same collectives as a real micro-batch, no gradient
+            micro_loss = _micro_batch_loss(model, micro, loss, counts, pad_id=pad_id, temperature=temperature,
+                                           autocast_dtype=autocast_dtype, ref_model=ref_model)[0]
+            (micro_loss * 0.0).backward()
+            continue
         padded_tokens += micro.padded_tokens
         computed_tokens += micro.real_tokens
         if kept_matmul_bytes:
@@ -200,19 +273,26 @@ def update_policy(
         micro_loss, metrics, tokens, entropy_sum = _micro_batch_loss(
             model, micro, loss, counts, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype,
             ref_model=ref_model)
-        micro_loss.backward()
+        (micro_loss * world if world > 1 else micro_loss).backward()
         loss_total += micro_loss.item()
-        for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "kl_ref"):
-            if key in metrics:  # token-weighted: the step's mean over all its tokens
-                totals[key] = totals.get(key, 0.0) + metrics[key] * tokens
+        present.update(key for key in TOKEN_WEIGHTED_METRICS if key in metrics)
+        for key in present.intersection(metrics):  # token-weighted: the step's mean over all its tokens
+            totals[key] += metrics[key] * tokens
         ratio_max = max(ratio_max, metrics["ratio_max"])
-        totals["entropy"] = totals.get("entropy", 0.0) + entropy_sum
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+        totals["entropy"] += entropy_sum
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # sharded: a DTensor
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         raise FloatingPointError("the gradient norm is not finite; lower trainer.lr or check the rewards")
     optimizer.step()
-    out = {key: value / max(counts["num_tokens"], 1.0) for key, value in totals.items()}
+    # the whole batch's sums (one process: these numbers as they are)
+    loss_total, padded_tokens, computed_tokens, kept_slots, *sums = distributed.sum_over_ranks(
+        [loss_total, padded_tokens, computed_tokens, kept_slots, *totals.values(),
+         *(key in present for key in TOKEN_WEIGHTED_METRICS)])
+    ratio_max = distributed.max_over_ranks([ratio_max])[0]
+    totals, seen = dict(zip(totals, sums)), dict(zip(TOKEN_WEIGHTED_METRICS, sums[len(totals):]))
+    out = {key: value / max(counts["num_tokens"], 1.0) for key, value in totals.items() if seen.get(key, True)}
     # computed_tokens: the token positions the forward and backward ran over, padding left out (a shared prompt once)
     out.update(loss=loss_total, grad_norm=grad_norm, ratio_max=ratio_max, computed_tokens=float(computed_tokens),
                padding_frac=1.0 - computed_tokens / max(padded_tokens, 1),

@@ -38,6 +38,11 @@ def default_chunk_rows(vocab_size: int, device: torch.device | str) -> int:
     return max(1, budget // (4 * vocab_size))
 
 
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the softmax statistics: fp32 for bf16 / fp16 / fp32 logits, fp64 for an fp64 model (tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``[n, H] @ [V, H].T`` in the operands' dtype (bf16 logits under autocast: the kernels below read them
     once and upcast in registers, so no fp32 copy of the block is written)."""
@@ -49,7 +54,7 @@ def log_softmax_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(log_norm, logp, entropy)``, each ``[n]`` fp32, of ``softmax(logits [n, V] * inv_temperature)``
     at ``targets [n]``. Entropy: ``H = lse - sum_v p_v * z_v``, with ``z`` the scaled logits."""
-    z = logits.float() * inv_temperature
+    z = logits.to(at_least_fp32(logits.dtype)) * inv_temperature
     log_norm = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets[:, None]).squeeze(-1) - log_norm
     z -= log_norm[:, None]  # now log-probs (z is this function's own tensor)
@@ -67,7 +72,7 @@ def logits_grad(
     ``local_targets [n]``: each target's column in this slice (out of ``[0, C)`` where it lies in another).
     """
     # in place on this function's own fp32 block: run eager (hardware.compile_learner=false), one block at a time
-    grad = (logits.float() * inv_temperature).sub_(log_norm[:, None]).exp_().neg_()  # -softmax
+    grad = (logits.to(at_least_fp32(logits.dtype)) * inv_temperature).sub_(log_norm[:, None]).exp_().neg_()  # -softmax
     grad += torch.arange(logits.shape[1], device=logits.device)[None, :] == local_targets[:, None]
     return grad.mul_((grad_logp * inv_temperature)[:, None]).to(logits.dtype)
 
@@ -98,9 +103,10 @@ class _TokenLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature, chunk_rows, compiled):
         n = hidden.shape[0]
         stats, _ = _kernels(compiled)
-        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        log_norm = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        stats_dtype = at_least_fp32(hidden.dtype)
+        logp = torch.empty(n, dtype=stats_dtype, device=hidden.device)
+        entropy = torch.empty(n, dtype=stats_dtype, device=hidden.device)
+        log_norm = torch.empty(n, dtype=stats_dtype, device=hidden.device)
         compute_weight = weight.to(hidden.dtype)  # once per call: [V, H] in the matmul dtype
         for start in range(0, n, chunk_rows):
             rows = slice(start, start + chunk_rows)
@@ -120,8 +126,8 @@ class _TokenLogProbs(torch.autograd.Function):
         n, vocab = hidden.shape[0], weight.shape[0]
         # as many vocabulary columns per slice as the forward's row chunk has elements: the same memory bound
         cols = max(1, ctx.chunk_rows * vocab // max(n, 1))
-        g = grad_logp.float()
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
+        g = grad_logp.to(at_least_fp32(grad_logp.dtype))
+        grad_hidden = torch.zeros(hidden.shape, dtype=at_least_fp32(hidden.dtype), device=hidden.device) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None
         for start in range(0, vocab, cols):
             stop = min(start + cols, vocab)

@@ -16,9 +16,12 @@ from __future__ import annotations
 import itertools
 
 import torch
+
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from fgrpo.logprobs import at_least_fp32
 
 SEGMENT_ATTENTION = "fgrpo_segments"
 # architectures whose attention is transformers' eager one (the fallback here) plus at most q/k norms
@@ -111,7 +114,7 @@ def segment_attention(
         v = v_slots[keys].transpose(1, 2)
         scores = (torch.matmul(q, k.transpose(2, 3)) * scaling).view(count, kv_heads, groups, q_len, k_len)
         scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = torch.softmax(scores, dim=-1, dtype=at_least_fp32(q.dtype)).to(q.dtype)
         o = torch.matmul(probs.view(count, kv_heads, groups * q_len, k_len), v)
         o = o.view(count, kv_heads, groups, q_len, head_dim).permute(0, 3, 1, 2, 4).reshape(count * q_len, heads, head_dim)
         if out is None:

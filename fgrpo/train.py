@@ -165,7 +165,8 @@ def learner_settings(cfg: DictConfig) -> LearnerSettings:
     return LearnerSettings(
         model_name=cfg.model.name, max_new_tokens=cfg.sampler.max_new_tokens, temperature=cfg.sampler.temperature, device=hw.device,
         dtype=hw.learner_dtype, autocast_dtype=hw.autocast_dtype, attention=hw.attention, compile=hw.compile_learner,
-        gradient_checkpointing=hw.gradient_checkpointing, kept_matmul_gib=hw.keep_matmul_outputs_gib,
+        gradient_checkpointing=hw.gradient_checkpointing, cpu_offload=hw.cpu_offload,
+        kept_matmul_gib=hw.keep_matmul_outputs_gib,
         micro_batch_size=hw.micro_batch_size, micro_batch_tokens=hw.micro_batch_tokens,
         share_prompts=hw.share_prompts, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay,
         warmup_steps=trainer.warmup_steps, grad_clip=trainer.grad_clip, mini_batches=trainer.mini_batches,

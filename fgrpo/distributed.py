@@ -1,0 +1,171 @@
+"""Several processes, one run (SPMD): each process (rank) runs the same loop on its share of the prompts.
+
+Launch with ``torchrun --nproc_per_node N run.py ...`` or through Slurm (``hydra/launcher=slurm`` with
+``hydra.launcher.tasks_per_node=N``): :func:`init_from_env` reads the rank from torchrun's variables, or from
+Slurm's through submitit. One process and no launcher: world size 1, no process group, today's path.
+
+The collectives here move a few numbers or small objects (counts, metrics, verdicts); the weights move inside
+FSDP2 (fgrpo.learner) and vLLM. On CPU the process group is gloo; on GPU NCCL for CUDA tensors beside gloo for the
+CPU ones these helpers send.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("fgrpo")
+
+# a collective that waits longer than this fails instead of hanging (a rank that died, a mismatched call)
+DEFAULT_TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process sits: ``rank`` of ``world`` (``local`` on its node). ``tensor_parallel`` consecutive ranks
+    share one vLLM engine; the data-parallel groups are ``world // tensor_parallel``."""
+
+    rank: int = 0
+    world: int = 1
+    local: int = 0
+    tensor_parallel: int = 1
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that writes metrics, W&B, plots and files."""
+        return self.rank == 0
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.rank // self.tensor_parallel
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world // self.tensor_parallel
+
+    def share(self, items: list, *, of_engine: bool = False) -> list:
+        """This rank's contiguous share of ``items`` (their count must divide by the world size); with ``of_engine``
+        the share of its vLLM engine (the ranks of its tensor-parallel group together)."""
+        parts, index = (self.data_parallel_size, self.data_parallel_rank) if of_engine else (self.world, self.rank)
+        size = len(items) // parts
+        return items[index * size:(index + 1) * size]
+
+
+SINGLE = Ranks()
+
+
+def launched_world_size() -> int:
+    """Processes this run was launched with (torchrun's WORLD_SIZE, else Slurm's task count), before any
+    process group exists."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return int(os.environ.get("SLURM_NTASKS", "1")) if "SLURM_JOB_ID" in os.environ else 1
+
+
+def init_from_env(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ranks:
+    """Join the run's process group (once; later calls return the same ranks). World size 1: no group.
+
+    Under Slurm without torchrun, each task exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from
+    Slurm's variables (submitit's TorchDistributedEnvironment) first."""
+    if launched_world_size() == 1:
+        return SINGLE
+    if "RANK" not in os.environ:
+        from submitit.helpers import TorchDistributedEnvironment
+
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local)
+            backend = "cpu:gloo,cuda:nccl"
+        else:
+            backend = "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local=local)
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """Each value summed over the ranks (float64, on the CPU); the values as they are with one process."""
+    return _all_reduce(values, "SUM")
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    return _all_reduce(values, "MAX")
+
+
+def _all_reduce(values: list[float], op: str) -> list[float]:
+    if not active():
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
+    return tensor.tolist()
+
+
+def gather_objects(obj) -> list:
+    """Every rank's ``obj`` in rank order, on every rank (``[obj]`` with one process)."""
+    if not active():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def from_rank0(obj):
+    """Rank 0's ``obj`` on every rank: one decision (a timed probe, a clock) for the whole run."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def agree(step):
+    """``step()`` on every rank, then all ranks learn whether any of them failed, and each raises the first failing
+    rank's error (so rank 0 can say why, with the same message and type, and every rank exits). Without this, a rank
+    whose check passed would go on alone into a collective that never comes."""
+    error = None
+    try:
+        result = step()
+    except Exception as exc:  # noqa: BLE001 - raised again below, on every rank
+        error = exc
+    if not active():
+        if error is not None:
+            raise error
+        return result
+    errors = gather_objects(_portable(error))
+    failed = [rank for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        raise error if failed[0] == dist.get_rank() else errors[failed[0]]
+    return result
+
+
+def _portable(error: BaseException | None) -> BaseException | None:
+    """``error`` if it survives pickling as it is, else a RuntimeError with its message."""
+    import pickle
+
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def close() -> None:
+    """Leave the process group, if one was joined (vLLM's shutdown may have destroyed it already)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
