@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 # quiet third-party chatter so the progress bar stays readable; users can override
@@ -30,13 +31,40 @@ register_configs()
 log = logging.getLogger("fgrpo")
 
 
+def pin_run_dir_for_all_ranks(argv: list[str]) -> None:
+    """Under torchrun every rank runs this script and would resolve hydra.run.dir's ``${now:...}`` on its own clock,
+    maybe a second apart: rank 0's time goes to all, as ``hydra.run.dir=outputs/<date>/<time>`` (the default's
+    pattern). Not when the command pins the directory itself, nor for one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "RANK" not in os.environ:
+        return
+    if any(arg in ("-m", "--multirun") or arg.startswith("hydra.run.dir=") for arg in argv):
+        return
+    from fgrpo import distributed
+
+    distributed.init_from_env()
+    argv.append(f"hydra.run.dir=outputs/{distributed.from_rank0(time.strftime('%Y-%m-%d/%H-%M-%S'))}")
+
+
+def quiet_other_ranks(rank: int) -> None:
+    """Rank 0 alone writes the run's log file and its info messages; the others say only what goes wrong."""
+    if rank == 0:
+        return
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+    log.setLevel(logging.WARNING)
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    from fgrpo import distributed
     from fgrpo.data import DataError
     from fgrpo.model import ModelSourceError
     from fgrpo.samplers import SamplerUnavailable
     from fgrpo.train import train
 
+    ranks = distributed.init_from_env()  # under Slurm: each task's rank from Slurm's variables
+    quiet_other_ranks(ranks.rank)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     run_name = hydra_cfg.job.override_dirname or "default"
@@ -53,15 +81,19 @@ def main(cfg: DictConfig) -> float | None:
     try:
         final = train(cfg, run_dir, run_name=run_name, overrides=list(hydra_cfg.overrides.task), saved_config=saved)
     except (ConfigError, DataError, ModelSourceError, SamplerUnavailable) as error:
-        log.error("%s", error)
+        if ranks.main:
+            log.error("%s", error)
         if sweeping:  # this job fails alone; the sweep goes on and reports it at the end
             raise
-        # bad input: a clear message, no traceback, non-zero exit
-        print(f"error: {error}", file=sys.stderr)
+        # bad input: a clear message (once, from rank 0), no traceback, every rank exits non-zero
+        if ranks.main:
+            print(f"error: {error}", file=sys.stderr)
+        distributed.close()
         sys.exit(2)
     log.info("final: %s", {k: round(v, 4) for k, v in final.items() if "/" in k and k.count("/") == 1})
     return final.get("eval/pass@1")
 
 
 if __name__ == "__main__":
+    pin_run_dir_for_all_ranks(sys.argv)
     main()

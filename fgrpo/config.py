@@ -106,17 +106,25 @@ class HardwareConfig:
     sampler_kv_cache_gib: float = 2.0  # vLLM on CPU: KV cache size
     sampler_gpu_memory_utilization: float = 0.35  # vLLM on GPU: the learner shares the card
     gradient_checkpointing: bool = False
-    # several GPUs (a sharded learner): parameters, gradients and AdamW state in CPU memory between uses (FSDP2's
-    # CPUOffloadPolicy): a big model on few GPUs, slower
+    # shard the learner with FSDP2 in a single process too (several processes always shard): one GPU with
+    # cpu_offload, or the sharded path at world size 1
+    fsdp: bool = False
+    # a sharded learner's parameters, gradients and AdamW state in CPU memory between uses (FSDP2's
+    # CPUOffloadPolicy): a big model on few GPUs, slower; GPU only
     cpu_offload: bool = False
     # with gradient_checkpointing and compile_learner: per micro-batch, up to this much memory keeps layers' matmul
     # outputs, so that their backward recomputes only the cheap rest (norms, attention scores, SiLU); 0: none kept;
     # auto: 0.3 GiB of bf16 outputs or 0.6 of fp32 ones (the same layers), 0 without checkpointed compiled layers
     keep_matmul_outputs_gib: Any = "auto"
-    # what one sweep job asks Slurm for (conf/hydra/launcher/slurm.yaml reads these)
+    # on GPU, vLLM sleeps while the learner runs (its weights to CPU memory, its KV cache freed) and wakes for the
+    # push: the learner gets the card's memory back; where vLLM supports it (not on CPU)
+    sampler_sleep: bool = False
+    # what one sweep job asks Slurm for (conf/hydra/launcher/slurm.yaml reads these); tasks: one process per GPU
     slurm_cpus_per_task: int = 2
     slurm_gpus_per_node: int = 0
     slurm_mem_gb: int = 16
+    slurm_nodes: int = 1
+    slurm_tasks_per_node: int = 1
 
 
 @dataclass
@@ -127,6 +135,8 @@ class SamplerConfig:
     top_p: float = 1.0
     max_model_len: int = 512
     hf_batch_size: int = 64
+    # several processes: this many consecutive ranks share one vLLM engine (tensor parallel); 1: an engine per rank
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -254,6 +264,21 @@ def validate(cfg: DictConfig | Config) -> None:
          "must be auto (bfloat16 where this machine runs it natively, else float32), float32, bfloat16 or float16")
     need(cfg.hardware.learner_dtype in WEIGHT_DTYPES, "hardware.learner_dtype", cfg.hardware.learner_dtype,
          f"must be one of {WEIGHT_DTYPES}")
+    kept_lr = smallest_kept_lr(cfg.hardware.learner_dtype) if cfg.hardware.learner_dtype in WEIGHT_DTYPES else 0.0
+    need(cfg.trainer.lr >= kept_lr, "hardware.learner_dtype", cfg.hardware.learner_dtype,
+         f"with trainer.lr={cfg.trainer.lr:g} most updates round to nothing: an AdamW step moves a weight by about lr, "
+         f"under half the {cfg.hardware.learner_dtype} spacing at a typical weight of {TYPICAL_WEIGHT} "
+         f"({kept_lr:.1e}). Keep hardware.learner_dtype=float32 (fp32 master "
+         "weights; hardware.autocast_dtype=bfloat16 computes in bf16) and spread the memory: more GPUs (the learner "
+         "shards over torchrun / Slurm ranks) or hardware.cpu_offload=true")
+    need(not cfg.hardware.cpu_offload or cfg.hardware.device == "cuda", "hardware.cpu_offload", True,
+         "offloads a sharded learner from GPUs to CPU memory: use it with hardware=gpu, or set it to false")
+    need(not cfg.hardware.sampler_sleep or cfg.hardware.device == "cuda", "hardware.sampler_sleep", True,
+         "vLLM's sleep mode frees GPU memory: use it with hardware=gpu, or set it to false")
+    need(cfg.sampler.tensor_parallel_size >= 1, "sampler.tensor_parallel_size", cfg.sampler.tensor_parallel_size,
+         "must be >= 1")
+    need(cfg.sampler.tensor_parallel_size == 1 or cfg.sampler.name == "vllm", "sampler.tensor_parallel_size",
+         cfg.sampler.tensor_parallel_size, "splits a vLLM engine over ranks: use sampler=vllm, or set it to 1")
     need(cfg.model.source in MODEL_SOURCES, "model.source", cfg.model.source, f"must be one of {MODEL_SOURCES}")
     need(cfg.model.source != "hub" or bool(cfg.model.path), "model.path", cfg.model.path,
          "a hub model needs model.path (a hub id or a local folder)")
@@ -265,6 +290,34 @@ def validate(cfg: DictConfig | Config) -> None:
          f"must be one of {WANDB_MODES} (or unset: $WANDB_MODE, else offline)")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+# the magnitude of a typical weight of a trained LLM's linear layers (Qwen2.5-7B's: std about 0.02, median |w| about
+# 0.013): the scale at which the bf16 / fp16 spacing is judged against the learning rate
+TYPICAL_WEIGHT = 0.01
+
+
+def smallest_kept_lr(weight_dtype: str) -> float:
+    """The learning rate below which an AdamW step (about ``lr`` per weight) is under half the spacing of
+    ``weight_dtype`` at :data:`TYPICAL_WEIGHT`, so the weight does not change: bfloat16 3.9e-5, float16 4.9e-6."""
+    mantissa_bits = {"float32": 23, "bfloat16": 7, "float16": 10}[weight_dtype]
+    return TYPICAL_WEIGHT * 2.0 ** -mantissa_bits / 2
+
+
+def validate_layout(cfg: DictConfig | Config, world: int) -> None:
+    """Checks of the config against the number of processes the run was launched with (``world``)."""
+    problems = []
+    prompts, tensor_parallel = cfg.trainer.prompts_per_step, cfg.sampler.tensor_parallel_size
+    if prompts % world:
+        fits = [n for n in range(1, world + 1) if prompts % n == 0]
+        problems.append(f"trainer.prompts_per_step={prompts} does not divide over {world} processes (each rank takes "
+                        f"an equal share of the prompts): use a multiple of {world} (e.g. {world * -(-prompts // world)}),"
+                        f" or launch {', '.join(map(str, fits))} processes")
+    if world % tensor_parallel:
+        problems.append(f"sampler.tensor_parallel_size={tensor_parallel} does not divide the {world} processes "
+                        "(each vLLM engine spans that many ranks): use a divisor of the world size, e.g. 1")
+    if problems:
+        raise ConfigError("invalid config for this launch:\n  " + "\n  ".join(problems))
 
 
 def to_container(cfg: DictConfig) -> dict:

@@ -55,24 +55,36 @@ class Ranks:
         size = len(items) // parts
         return items[index * size:(index + 1) * size]
 
+    def own_part(self, engine_share: list) -> list:
+        """Of what this rank's engine drew (``share(..., of_engine=True)``), the part this rank learns on: the ranks
+        of one tensor-parallel group sample together and learn apart."""
+        size = len(engine_share) // self.tensor_parallel
+        index = self.rank % self.tensor_parallel
+        return engine_share[index * size:(index + 1) * size]
+
 
 SINGLE = Ranks()
 
 
 def launched_world_size() -> int:
-    """Processes this run was launched with (torchrun's WORLD_SIZE, else Slurm's task count), before any
-    process group exists."""
+    """Processes this run was launched with (torchrun's WORLD_SIZE, else the tasks of this Slurm job step), before any
+    process group exists. Slurm's step, not its job: ``python run.py`` typed in a batch script of 8 tasks is one."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    return int(os.environ.get("SLURM_NTASKS", "1")) if "SLURM_JOB_ID" in os.environ else 1
+    return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
 
 
-def init_from_env(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ranks:
-    """Join the run's process group (once; later calls return the same ranks). World size 1: no group.
+def init_from_env(*, timeout_s: float = DEFAULT_TIMEOUT_S, single_process_group: bool = False) -> Ranks:
+    """Join the run's process group (once; later calls return the same ranks). World size 1: no group, unless
+    ``single_process_group`` (FSDP2 in one process, ``hardware.fsdp``) asks for a group of one.
 
     Under Slurm without torchrun, each task exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from
     Slurm's variables (submitit's TorchDistributedEnvironment) first."""
     if launched_world_size() == 1:
+        if single_process_group and not dist.is_initialized():
+            dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                                    init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         return SINGLE
     if "RANK" not in os.environ:
         from submitit.helpers import TorchDistributedEnvironment
@@ -87,6 +99,14 @@ def init_from_env(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ranks:
             backend = "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local=local)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def active() -> bool:

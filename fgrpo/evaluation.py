@@ -8,15 +8,19 @@ import numpy as np
 
 from fgrpo.data import Problem
 from fgrpo.metrics import pass_at_k_curve
-from fgrpo.rollouts import sample_groups
+from fgrpo.distributed import SINGLE, Ranks, gather_objects
+from fgrpo.rollouts import prompt_seeds, sample_groups
 
 Curve = list[tuple[int, float, float, float]]  # (k, pass@k, ci_low, ci_high)
 
 
 def evaluate(sampler, eval_sets: dict[str, list[Problem]], prompt_ids: dict[str, list[int]], verifier, *,
              n_samples: int, max_problems: int, max_new_tokens: int, temperature: float, top_p: float,
-             seed: int) -> tuple[dict[str, float], Curve]:
+             seed: int, ranks: Ranks = SINGLE) -> tuple[dict[str, float], Curve]:
     """pass@k for k = 1, 2, 4, ..., ``n_samples`` on the first ``max_problems`` of each set.
+
+    Several ranks (fgrpo.distributed): each vLLM engine samples its share of the problems (the last one repeated to
+    an equal count per engine: the HF sampler's sharded forwards must match), and every rank gets all the counts.
 
     Returns the metrics (``eval/<set>/pass@k`` with ``_ci_low`` / ``_ci_high``, ``eval/pass@k`` averaging the sets,
     ``perf/eval_time_s``) and the curve to plot: the set's own, or with several sets their average.
@@ -25,9 +29,15 @@ def evaluate(sampler, eval_sets: dict[str, list[Problem]], prompt_ids: dict[str,
     metrics: dict[str, float] = {}
     curves: dict[str, Curve] = {}
     for name, problems in eval_sets.items():
-        groups = sample_groups(sampler, problems[:max_problems], prompt_ids, verifier, group_size=n_samples,
-                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-        counts = groups.correct.sum(dim=1).int().tolist()
+        problems = problems[:max_problems]
+        padded = problems + problems[-1:] * (-len(problems) % ranks.data_parallel_size)
+        groups = sample_groups(sampler, ranks.share(padded, of_engine=True), prompt_ids, verifier, group_size=n_samples,
+                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                               seed=ranks.share(prompt_seeds(seed, len(padded)), of_engine=True))
+        engine_counts = groups.correct.sum(dim=1).int().tolist()
+        # one engine's ranks drew the same: the counts of the first rank of each engine, in order
+        counts = sum(gather_objects(engine_counts if ranks.rank % ranks.tensor_parallel == 0 else []), [])
+        counts = counts[: len(problems)]
         curves[name] = [(pt.k, pt.mean, pt.ci_low, pt.ci_high) for pt in pass_at_k_curve(counts, n_samples, seed=seed)]
         for k, mean, low, high in curves[name]:
             metrics.update({f"eval/{name}/pass@{k}": mean, f"eval/{name}/pass@{k}_ci_low": low,

@@ -118,7 +118,11 @@ class PolicyPass(torch.nn.Module):
         self.policy.__dict__[SHARDED_PASS] = self
         return self
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args, generate: dict | None = None, **kwargs):
+        """:func:`_logprobs_pass` on the policy; with ``generate`` (keyword arguments), HF ``generate`` instead, run
+        inside the root's forward so that its weights stay gathered for the whole decoding (fgrpo.samplers)."""
+        if generate is not None:
+            return self.policy.generate(**generate)
         return _logprobs_pass(self.policy, *args, **kwargs)
 
 

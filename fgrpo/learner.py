@@ -40,6 +40,7 @@ class LearnerSettings:
     attention: str  # a name in fgrpo.forward.ATTENTIONS
     compile: bool
     gradient_checkpointing: bool
+    fsdp: bool  # shard with FSDP2 in one process too (several processes always shard)
     cpu_offload: bool  # sharded on GPUs: parameters, gradients and optimizer state in CPU memory (FSDP2's offload)
     kept_matmul_gib: float  # per micro-batch, for layers that keep their matmul outputs (needs both above)
     micro_batch_size: int  # sequences per padded micro-batch, when micro_batch_tokens is None
@@ -79,7 +80,7 @@ class Learner:
                                                            selective_checkpoint=settings.kept_matmul_gib > 0):
             log.warning("hardware.compile_learner: %s has no decoder-layer list to compile; running eager",
                         settings.model_name)
-        self.sharded = distributed.active()
+        self.sharded = distributed.active() or settings.fsdp  # fsdp in one process: a group of one (train.py)
         if self.sharded:
             shard_policy(self.policy, device=settings.device, autocast_dtype=settings.autocast_dtype,
                          cpu_offload=settings.cpu_offload)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from fgrpo.data import Problem
+from fgrpo.distributed import SINGLE, Ranks, gather_objects, sum_over_ranks
 from fgrpo.packing import Sequence
 from fgrpo.samplers import Completion
 
@@ -72,9 +73,17 @@ class Groups:
         return [i for i in range(len(self)) if 0 < successes[i] < self.correct.shape[1]]
 
 
+def prompt_seeds(seed: int, count: int) -> list[int]:
+    """One sampling seed per prompt of a draw, from the draw's ``seed`` and the prompt's place in it: the same
+    whichever rank draws the prompt. The first is the draw's own (a sampler that takes one seed per call, HF,
+    draws as it did from one), the others a prime apart (draws' seeds are consecutive)."""
+    return [(seed + index * 1_000_003) % 2**31 for index in range(count)]
+
+
 def sample_groups(sampler, problems: list[Problem], prompt_ids: dict[str, list[int]], verifier, *, group_size: int,
-                  max_new_tokens: int, temperature: float, top_p: float, seed: int) -> Groups:
-    """``group_size`` completions per problem, each verified against the problem's answer."""
+                  max_new_tokens: int, temperature: float, top_p: float, seed: int | list[int]) -> Groups:
+    """``group_size`` completions per problem, each verified against the problem's answer. ``seed``: the draw's, or
+    one per problem (:func:`prompt_seeds`)."""
     completions = sampler.generate([prompt_ids[p.id] for p in problems], group_size, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, seed=seed)
     start = time.perf_counter()
@@ -83,18 +92,29 @@ def sample_groups(sampler, problems: list[Problem], prompt_ids: dict[str, list[i
     return Groups(problems, completions, correct, time.perf_counter() - start)
 
 
-def collect_groups(draw: Callable[[list[Problem], int], Groups], stream: ProblemStream, count: int, *, seed: int,
-                   dynamic_sampling: bool = False, max_rounds: int = 3) -> Groups:
-    """``count`` groups from ``draw(problems, seed)``. DAPO's dynamic sampling keeps only mixed groups and draws
-    ``count`` more problems until ``count`` are kept or ``max_rounds`` draws are spent (then fewer, maybe none)."""
-    groups = draw(stream.take(count), seed)
+def collect_groups(draw: Callable[[list[Problem], list[int]], Groups], stream: ProblemStream, count: int, *, seed: int,
+                   dynamic_sampling: bool = False, max_rounds: int = 3, ranks: Ranks = SINGLE) -> Groups:
+    """``count`` groups from ``draw(problems, seeds)`` (one seed per problem). DAPO's dynamic sampling keeps only
+    mixed groups and draws ``count`` more problems until ``count`` are kept or ``max_rounds`` draws are spent (then
+    fewer, maybe none).
+
+    Several ranks (fgrpo.distributed): every rank takes the same problems from its copy of the stream and draws its
+    share (its engine's, then keeps its own part); the count kept is the whole run's, and the first ``count`` in rank
+    order are kept, so ranks may end with unequal shares (the learner pads its micro-batches to match)."""
+    def draw_round(round_seed: int) -> Groups:
+        problems = stream.take(count)
+        drawn = draw(ranks.share(problems, of_engine=True), ranks.share(prompt_seeds(round_seed, count), of_engine=True))
+        return drawn.select(ranks.own_part(list(range(len(drawn)))))
+
+    groups = draw_round(seed)
     if not dynamic_sampling:
         return groups
     groups, rounds = groups.select(groups.mixed()), 1
-    while len(groups) < count and rounds < max_rounds:
-        extra = draw(stream.take(count), seed + 7919 * rounds)
+    while sum_over_ranks([len(groups)])[0] < count and rounds < max_rounds:
+        extra = draw_round(seed + 7919 * rounds)
         groups, rounds = groups.extend(extra.select(extra.mixed())), rounds + 1
-    return groups.select(list(range(min(count, len(groups)))))
+    kept_before = sum(gather_objects(len(groups))[: ranks.rank])
+    return groups.select(list(range(max(0, min(len(groups), count - kept_before)))))
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
@@ -107,8 +127,11 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: flo
 
 def overlong_penalties(groups: Groups, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
     """``[P, G]``: :func:`overlong_penalty` of each completion's length."""
-    return torch.tensor([[overlong_penalty(len(c.token_ids), max_new_tokens, buffer, penalty) for c in group]
-                         for group in groups.completions])
+    penalties = torch.zeros_like(groups.correct)  # [P, G] also when this rank kept no group (P = 0)
+    for row, group in enumerate(groups.completions):
+        for column, completion in enumerate(group):
+            penalties[row, column] = overlong_penalty(len(completion.token_ids), max_new_tokens, buffer, penalty)
+    return penalties
 
 
 def learner_sequences(groups: Groups, advantages: torch.Tensor, prompt_ids: dict[str, list[int]]) -> list[Sequence]:

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from fgrpo.config import ConfigError
-from fgrpo.forward import mixed_precision
+from fgrpo.forward import SHARDED_PASS, mixed_precision
 from fgrpo.process_memory import discard_pages
 
 log = logging.getLogger("fgrpo")
@@ -34,9 +34,13 @@ class Completion:
 
 class Sampler(Protocol):
     def generate(
-        self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float, top_p: float, seed: int
+        self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float, top_p: float,
+        seed: int | list[int],
     ) -> list[list[Completion]]:
-        """``n`` completions for each prompt (token ids): a ``[P][n]`` nested list."""
+        """``n`` completions for each prompt (token ids): a ``[P][n]`` nested list. ``seed``: one for the call, or
+        one per prompt (fgrpo.rollouts.prompt_seeds), which vLLM on GPU honours per request, so that a prompt's
+        samples do not depend on which rank drew it; vLLM on CPU draws from its engine's seed (per-request seeds
+        crash it) and HF from the first seed for the whole call."""
 
     def update_weights(self, model: torch.nn.Module) -> None:
         """Make the next ``generate`` sample from ``model``'s current weights."""
@@ -95,7 +99,13 @@ class VLLMSampler:
     """vLLM's engine in this process; ``update_weights`` copies the learner's tensors into it."""
 
     def __init__(self, model_folder, *, dtype: str, max_model_len: int, seed: int, device: str,
-                 kv_cache_gib: float = 2.0, gpu_memory_utilization: float = 0.35, max_num_seqs: int = 256):
+                 kv_cache_gib: float = 2.0, gpu_memory_utilization: float = 0.35, max_num_seqs: int = 256,
+                 tensor_parallel_size: int = 1, distributed: bool = False, sleep: bool = False):
+        """``distributed``: this process is one rank of several (fgrpo.distributed); the engine joins their process
+        group (vLLM's ``external_launcher``) and ``tensor_parallel_size`` consecutive ranks share it. Each engine
+        is given its own ``seed`` (the caller's, per data-parallel group). ``sleep`` (GPU): ``release_memory``
+        puts the engine to sleep (vLLM's sleep mode, level 1: weights to CPU memory, KV cache freed) and
+        ``update_weights`` wakes it before loading the new weights."""
         require_vllm()
         _in_process_vllm()
         from vllm import LLM
@@ -110,6 +120,11 @@ class VLLMSampler:
             enable_prefix_caching=True,
             disable_log_stats=True,
         )
+        if distributed:
+            kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=tensor_parallel_size)
+        self.sleeps = sleep and device == "cuda"
+        if self.sleeps:
+            kwargs["enable_sleep_mode"] = True
         if device == "cuda":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         elif not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vLLM's own variable (whole GiB) wins when set
@@ -124,6 +139,7 @@ class VLLMSampler:
         self.device = device
         self.tokenizer = self.llm.get_tokenizer()
         self.weights_released = False  # set by release_memory, cleared by update_weights
+        self.asleep = False
 
     def generate(self, prompts, n, *, max_new_tokens, temperature, top_p, seed):
         from vllm import SamplingParams, TokensPrompt
@@ -131,13 +147,16 @@ class VLLMSampler:
         if self.weights_released:
             raise RuntimeError("VLLMSampler.generate after release_memory: push the weights (update_weights) first")
 
-        params = SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, top_k=-1 if _vllm_wants_minus_one() else 0,
-            max_tokens=max_new_tokens, logprobs=0,
-            # per-request seeds crash vLLM-CPU 0.32 when a chunked prefill is discarded ("CPU Generator
-            # does not use offset"); on CPU the engine's own seed (set at start) drives sampling
-            seed=seed if self.device == "cuda" else None,
-        )
+        def params(request_seed):
+            return SamplingParams(
+                n=n, temperature=temperature, top_p=top_p, top_k=-1 if _vllm_wants_minus_one() else 0,
+                max_tokens=max_new_tokens, logprobs=0,
+                # per-request seeds crash vLLM-CPU 0.32 when a chunked prefill is discarded ("CPU Generator
+                # does not use offset"); on CPU the engine's own seed (set at start) drives sampling
+                seed=request_seed if self.device == "cuda" else None,
+            )
+
+        params = [params(s) for s in seed] if isinstance(seed, list) else params(seed)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         groups = []
         for request in outputs:
@@ -150,9 +169,13 @@ class VLLMSampler:
         return groups
 
     def update_weights(self, model):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
         tied = getattr(model.config, "tie_word_embeddings", False)
-        # cast to the engine's dtype here: one copy per tensor, and no per-tensor dtype warnings
-        weights = ((name, tensor.detach().to(self.dtype)) for name, tensor in model.state_dict().items()
+        # cast to the engine's dtype here: one copy per tensor, and no per-tensor dtype warnings; a sharded learner's
+        # tensor is gathered whole first (every rank in the same order: each gather is a collective)
+        weights = ((name, _whole(tensor).detach().to(self.dtype)) for name, tensor in model.state_dict().items()
                    if not (tied and name == "lm_head.weight"))
         # reload_weights re-runs the post-load weight processing (CPU kernels prepack weights), which
         # a bare model.load_weights would skip
@@ -171,8 +194,15 @@ class VLLMSampler:
         to the OS (they read as zeros when touched again; vLLM writes every position it reads within
         a request); the packed weights are dropped and the embedding's pages handed back. Until the
         next ``update_weights``, ``generate`` refuses. Returns the bytes of pages handed back (the
-        packed weights are freed to the heap, not counted). 0 on GPU or if a request holds KV blocks.
+        packed weights are freed to the heap, not counted). 0 if a request holds KV blocks.
+
+        On GPU with ``sleep``: the engine sleeps until the next ``update_weights`` (0 returned: vLLM does not
+        say how much it freed); else nothing is released on GPU.
         """
+        if self.sleeps:
+            self.llm.sleep(level=1)
+            self.asleep = self.weights_released = True
+            return 0
         if self.device != "cpu" or not self.llm.reset_prefix_cache():
             return 0
         storages = {}
@@ -192,6 +222,11 @@ class VLLMSampler:
                 except Exception as exc:  # shutting down must not hide the run's own error
                     log.debug("vLLM shutdown: %s", exc)
             del llm
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded learner's parameter (an FSDP2 DTensor) gathered from every rank; any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _released_cpu_storages(worker) -> list[torch.UntypedStorage]:
@@ -253,7 +288,12 @@ class HFSampler:
         results: list[Completion] = []
         was_training = self.model.training
         self.model.eval()
-        torch.manual_seed(seed)
+        torch.manual_seed(seed[0] if isinstance(seed, list) else seed)
+        # a sharded learner (fgrpo.distributed): generate runs inside its root's forward, which gathers the embedding
+        # and LM head for the whole call; the layers gather their own at each forward, a collective, so every rank
+        # runs forwards until all are done (synced_gpus)
+        sharded_root = self.model.__dict__.get(SHARDED_PASS)
+        generate = self.model.generate if sharded_root is None else lambda **kwargs: sharded_root(generate=kwargs)
         try:
             for start in range(0, len(flat), self.batch_size):
                 chunk = flat[start : start + self.batch_size]
@@ -264,7 +304,7 @@ class HFSampler:
                     input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
                     attention_mask[row, width - len(prompt) :] = 1
                 with mixed_precision(device.type, self.autocast_dtype):
-                    out = self.model.generate(
+                    out = generate(
                         input_ids=input_ids.to(device),
                         attention_mask=attention_mask.to(device),
                         do_sample=True,
@@ -276,6 +316,7 @@ class HFSampler:
                         eos_token_id=eos_ids,
                         output_logits=True,
                         return_dict_in_generate=True,
+                        synced_gpus=sharded_root is not None,
                     )
                 new_tokens = out.sequences[:, width:]
                 # one [B] log-prob per step on the device: only [B, steps] leaves it, not [B, steps, vocab]

@@ -476,3 +476,24 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{number} is not valid JSON ({error}); the file is corrupt") from error
         rows.append({key: _nulls_to_nan(value) for key, value in row.items()})
     return rows
+
+
+class NoTracker:
+    """What the other ranks of a multi-process run hold instead of a :class:`Tracker`: rank 0 alone writes the
+    metrics, the summary and W&B, from numbers already gathered from every rank."""
+
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        pass
+
+    def log_image(self, key: str, path: str | os.PathLike, *, step: int) -> None:
+        pass
+
+    def summary(self, metrics: Mapping[str, Any]) -> None:
+        pass
+
+    def __enter__(self) -> NoTracker:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return False
+

@@ -9,7 +9,9 @@ is checked in :func:`prepare`, before the model loads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import random
 import resource
 import time
@@ -20,20 +22,23 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from fgrpo import distributed
 from fgrpo.advantages import focal_group_advantages, focal_weight, success_rate
 from fgrpo.compiled_layers import auto_kept_matmul_gib, require_cpp_compiler
-from fgrpo.config import ConfigError, to_container, validate
+from fgrpo.config import ConfigError, to_container, validate, validate_layout
+from fgrpo.distributed import SINGLE, Ranks
 from fgrpo.data import Problem, arithmetic_problems, build_prompt, load_problems
 from fgrpo.evaluation import evaluate
 from fgrpo.learner import Learner, LearnerSettings
 from fgrpo.losses import LossSettings
+from fgrpo.gpu_memory import check_learner_fits_gpus
 from fgrpo.model import load_tokenizer, resolve_model_folder
 from fgrpo.precision import Precision, resolve_precision
 from fgrpo.process_memory import bound_kernel_caches, keep_freed_memory
 from fgrpo.rollouts import Groups, ProblemStream, collect_groups, learner_sequences, overlong_penalties, sample_groups
 from fgrpo.samplers import HFSampler, Sampler, VLLMSampler, check_vllm_dtype, require_vllm
 from fgrpo.plots import plot_pass_at_k
-from fgrpo.tracking import Tracker
+from fgrpo.tracking import NoTracker, Tracker
 from fgrpo.verifier import make_verifier
 
 log = logging.getLogger("fgrpo")
@@ -50,39 +55,44 @@ def train(
     """
     from tqdm.auto import tqdm
 
-    run = prepare(cfg, saved_config)
+    ranks = distributed.init_from_env(single_process_group=cfg.hardware.fsdp)  # several processes (torchrun, Slurm tasks): each its share of the prompts
+    run = prepare(cfg, saved_config, ranks)
+    ranks = dataclasses.replace(ranks, tensor_parallel=cfg.sampler.tensor_parallel_size)
     algo, sampling = cfg.algo, cfg.sampler
     learner = Learner(run.folder, learner_settings(cfg), loss_settings(algo), pad_id=run.tokenizer.pad_token_id,
                       generates=sampling.name == "hf")
-    sampler = make_sampler(cfg, run.folder, learner.policy, run.tokenizer)
+    sampler = make_sampler(cfg, run.folder, learner.policy, run.tokenizer, ranks)
     stream = ProblemStream(run.data.train, seed=cfg.seed)
 
-    def draw(problems: list[Problem], seed: int) -> Groups:
+    def draw(problems: list[Problem], seeds: list[int]) -> Groups:
         return sample_groups(sampler, problems, run.prompt_ids, run.verifier, group_size=algo.group_size,
                              max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                             top_p=sampling.top_p, seed=seed)
+                             top_p=sampling.top_p, seed=seeds)
 
     def evaluate_now():
         return evaluate(sampler, run.data.eval, run.prompt_ids, run.verifier, n_samples=cfg.eval.n_samples,
                         max_problems=cfg.eval.max_problems, max_new_tokens=sampling.max_new_tokens,
-                        temperature=sampling.temperature, top_p=sampling.top_p, seed=cfg.seed + 1_000_003)
+                        temperature=sampling.temperature, top_p=sampling.top_p, seed=cfg.seed + 1_000_003,
+                        ranks=ranks)
 
     curves = {}
-    with make_tracker(cfg, run_dir, run_name, overrides, run.precision) as tracker, \
+    with make_tracker(cfg, run_dir, run_name, overrides, run.precision, ranks) as tracker, \
             _remembering_interrupts() as interrupted:
         eval_metrics, curves["before training"] = evaluate_now()
         tracker.log(eval_metrics, step=0)
         before = eval_metrics
-        progress = tqdm(range(1, cfg.trainer.steps + 1), desc="training", unit="step", dynamic_ncols=True)
+        progress = tqdm(range(1, cfg.trainer.steps + 1), desc="training", unit="step", dynamic_ncols=True,
+                        disable=not ranks.main)
         for step in progress:
             if interrupted:  # a Ctrl-C that landed where it was swallowed (seen inside torch.compile) stops here
                 raise KeyboardInterrupt(f"interrupted during step {step - 1}")
             step_start = time.perf_counter()
             groups = collect_groups(draw, stream, cfg.trainer.prompts_per_step, seed=cfg.seed * 100_003 + step,
-                                    dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.max_sampling_rounds)
-            timings = {"sample": time.perf_counter() - step_start - groups.verify_time_s}
+                                    dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.max_sampling_rounds,
+                                    ranks=ranks)
+            timings = {"sample": time.perf_counter() - step_start - groups.verify_time_s, "verify": groups.verify_time_s}
             metrics = {}
-            if len(groups):
+            if distributed.sum_over_ranks([len(groups)])[0]:  # every rank updates, with groups of its own or none
                 rewards = groups.correct.clone()
                 if algo.overlong_shaping:
                     rewards += overlong_penalties(groups, sampling.max_new_tokens, algo.overlong_buffer,
@@ -90,25 +100,28 @@ def train(
                 # F-GRPO: mu_hat = the group's success rate (Eq. 11, from correctness), g = (1 - mu_hat)^gamma
                 # (Eq. 12), A^F = g * A with A the group-normalised advantage (Eqs. 3, 13); gamma = 0: the baseline
                 advantages = focal_group_advantages(rewards, cfg.focal.gamma, correct=groups.correct,
-                                                    std_normalize=algo.std_normalize)
+                                                    std_normalize=algo.std_normalize) if len(groups) else rewards
                 seqs = learner_sequences(groups, advantages, run.prompt_ids)
                 sampler.release_memory()  # on CPU, vLLM's KV cache and packed weights: dead until the push below
                 with _timed(timings, "learn"), _profiled(run_dir, step if step == cfg.trainer.profile_step else None):
                     learned = learner.update(seqs)
                 with _timed(timings, "sync"):
                     learner.push_weights(sampler)
-                metrics = step_metrics(groups, rewards, advantages, seqs, learned, timings, cfg.focal.gamma, learner.lr)
+                outcomes = StepOutcomes.of(groups, rewards, advantages, seqs).gathered()
+                metrics = step_metrics(outcomes, learned, timings, cfg.focal.gamma, learner.lr, ranks.world)
             else:
                 log.warning("step %d: dynamic sampling found no mixed group; skipping the update", step)
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
             tracker.log(metrics, step=step)
-            progress.set_postfix(reward=f"{float(groups.correct.mean()) if len(groups) else float('nan'):.3f}")
+            progress.set_postfix(reward=f"{metrics.get('train/correct_mean', float('nan')):.3f}")
             if step == cfg.trainer.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 eval_metrics, curves["after training"] = evaluate_now()
                 tracker.log(eval_metrics, step=step)
-                progress.write(f"step {step}: eval pass@1 = {eval_metrics['eval/pass@1']:.3f}")
-        final = finish(cfg, run_dir, tracker, learner, run.tokenizer, curves, before, eval_metrics)
-    sampler.close()
+                if ranks.main:
+                    progress.write(f"step {step}: eval pass@1 = {eval_metrics['eval/pass@1']:.3f}")
+        final = finish(cfg, run_dir, tracker, learner, run.tokenizer, curves, before, eval_metrics, ranks)
+    sampler.close()  # vLLM's shutdown takes the process group down with it: last
+    distributed.close()
     return final
 
 
@@ -125,9 +138,32 @@ class Run:
     precision: Precision
 
 
-def prepare(cfg: DictConfig, saved_config: Path | None = None) -> Run:
-    """Every check that can fail on bad input, before the model loads; seeds, threads and process memory."""
+def prepare(cfg: DictConfig, saved_config: Path | None = None, ranks: Ranks = SINGLE) -> Run:
+    """Every check that can fail on bad input, before the model loads; seeds, threads and process memory.
+
+    Several ranks: each checks, and if any fails all raise the first failure (distributed.agree), so rank 0 can
+    say why and no rank is left waiting in a collective."""
+    data, verifier, folder = distributed.agree(lambda: _check_inputs(cfg, ranks.world))
+    hw = cfg.hardware
+    if hw.device == "cpu":
+        keep_freed_memory()
+        bound_kernel_caches()  # before the first matmul (the precision probe, vLLM's start-up)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if hw.device == "cpu" and (hw.threads > 0 or ranks.world > 1):
+        # several ranks on one machine split its cores (all of them each would oversubscribe)
+        torch.set_num_threads(hw.threads or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    precision = settle_hardware(cfg, saved_config, ranks)
+    tokenizer, prompt_ids = distributed.agree(lambda: _encode_prompts(cfg, folder, data))
+    return Run(data, verifier, folder, tokenizer, prompt_ids, precision)
+
+
+def _check_inputs(cfg: DictConfig, world: int) -> tuple[Data, object, Path]:
+    """The config's ranges, its fit to ``world`` processes, the data files, the verifier, the sampler's package, the
+    device, the compiler and the model's folder (and, on GPUs, whether the learner fits them)."""
     validate(cfg)
+    validate_layout(cfg, world)
     data = load_data(cfg.dataset)
     verifier = make_verifier(cfg.dataset.verifier, timeout_s=cfg.dataset.verifier_timeout_s)
     hw = cfg.hardware
@@ -138,16 +174,13 @@ def prepare(cfg: DictConfig, saved_config: Path | None = None) -> Run:
     if hw.compile_learner and hw.device == "cpu":
         require_cpp_compiler()
     folder = resolve_model_folder(cfg.model)
-    if hw.device == "cpu":
-        keep_freed_memory()
-        bound_kernel_caches()  # before the first matmul (the precision probe, vLLM's start-up)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    if hw.device == "cpu" and hw.threads > 0:
-        torch.set_num_threads(hw.threads)
-    precision = settle_hardware(cfg, saved_config)
+    if hw.device == "cuda":
+        check_learner_fits_gpus(folder, cfg, world)
+    return data, verifier, folder
 
+
+def _encode_prompts(cfg: DictConfig, folder: Path, data: Data) -> tuple[object, dict[str, list[int]]]:
+    """The tokenizer and every prompt's token ids, each checked to leave room for a completion."""
     tokenizer = load_tokenizer(folder)
     problems = data.train + [p for eval_set in data.eval.values() for p in eval_set]
     prompt_ids = {p.id: encode_prompt(tokenizer, cfg.model, p.question) for p in problems}
@@ -157,7 +190,7 @@ def prepare(cfg: DictConfig, saved_config: Path | None = None) -> Run:
             f"{len(too_long)} prompts (e.g. {too_long[0]}) plus sampler.max_new_tokens={cfg.sampler.max_new_tokens} "
             f"exceed sampler.max_model_len={cfg.sampler.max_model_len}: raise sampler.max_model_len"
         )
-    return Run(data, verifier, folder, tokenizer, prompt_ids, precision)
+    return tokenizer, prompt_ids
 
 
 def learner_settings(cfg: DictConfig) -> LearnerSettings:
@@ -165,7 +198,7 @@ def learner_settings(cfg: DictConfig) -> LearnerSettings:
     return LearnerSettings(
         model_name=cfg.model.name, max_new_tokens=cfg.sampler.max_new_tokens, temperature=cfg.sampler.temperature, device=hw.device,
         dtype=hw.learner_dtype, autocast_dtype=hw.autocast_dtype, attention=hw.attention, compile=hw.compile_learner,
-        gradient_checkpointing=hw.gradient_checkpointing, cpu_offload=hw.cpu_offload,
+        gradient_checkpointing=hw.gradient_checkpointing, fsdp=hw.fsdp, cpu_offload=hw.cpu_offload,
         kept_matmul_gib=hw.keep_matmul_outputs_gib,
         micro_batch_size=hw.micro_batch_size, micro_batch_tokens=hw.micro_batch_tokens,
         share_prompts=hw.share_prompts, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay,
@@ -217,12 +250,17 @@ def encode_prompt(tokenizer, model_cfg, question: str) -> list[int]:
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-def make_sampler(cfg: DictConfig, folder: Path, policy, tokenizer) -> Sampler:
+def make_sampler(cfg: DictConfig, folder: Path, policy, tokenizer, ranks: Ranks = SINGLE) -> Sampler:
     if cfg.sampler.name == "vllm":
         return VLLMSampler(
-            folder, dtype=cfg.hardware.sampler_dtype, max_model_len=cfg.sampler.max_model_len, seed=cfg.seed,
-            device=cfg.hardware.device, kv_cache_gib=cfg.hardware.sampler_kv_cache_gib,
+            # one seed per engine: on CPU the engine's seed drives every draw, and engines with one seed would
+            # draw the same random numbers for different prompts
+            folder, dtype=cfg.hardware.sampler_dtype, max_model_len=cfg.sampler.max_model_len,
+            seed=cfg.seed + 7_919 * ranks.data_parallel_rank, device=cfg.hardware.device,
+            kv_cache_gib=cfg.hardware.sampler_kv_cache_gib,
             gpu_memory_utilization=cfg.hardware.sampler_gpu_memory_utilization,
+            tensor_parallel_size=cfg.sampler.tensor_parallel_size, distributed=ranks.world > 1,
+            sleep=cfg.hardware.sampler_sleep,
         )
     return HFSampler(policy, tokenizer, batch_size=cfg.sampler.hf_batch_size, autocast_dtype=cfg.hardware.autocast_dtype)
 
@@ -254,13 +292,15 @@ def _remembering_interrupts():
         signal.signal(signal.SIGINT, previous)
 
 
-def settle_hardware(cfg: DictConfig, saved_config: Path | None = None):
+def settle_hardware(cfg: DictConfig, saved_config: Path | None = None, ranks: Ranks = SINGLE):
     """Replace ``auto`` in ``hardware.autocast_dtype`` / ``sampler_dtype`` by what this machine runs fast
     (fgrpo.precision) and in ``hardware.keep_matmul_outputs_gib`` by the budget for that dtype, log the choice
     and its reason, and write the settled config to ``saved_config`` (the run's ``.hydra/config.yaml``) so that
-    the run directory says what ran. Before the model loads; returns the :class:`~fgrpo.precision.Precision`."""
+    the run directory says what ran. Before the model loads; returns the :class:`~fgrpo.precision.Precision`.
+    Several ranks: rank 0 probes and decides for all (a timed probe could tip differently on another rank)."""
     hw = cfg.hardware
-    precision = resolve_precision(hw.device, hw.autocast_dtype, hw.sampler_dtype)
+    precision = distributed.from_rank0(distributed.agree(
+        lambda: resolve_precision(hw.device, hw.autocast_dtype, hw.sampler_dtype) if ranks.main else None))
     hw.autocast_dtype, hw.sampler_dtype = precision.autocast_dtype, precision.sampler_dtype
     if hw.keep_matmul_outputs_gib == "auto":
         selective = hw.gradient_checkpointing and hw.compile_learner
@@ -271,32 +311,64 @@ def settle_hardware(cfg: DictConfig, saved_config: Path | None = None):
              f", up to {hw.keep_matmul_outputs_gib:g} GiB of matmul outputs kept" if hw.keep_matmul_outputs_gib else "",
              hw.sampler_dtype, f"{precision.cpu}: " if precision.cpu else "", precision.reason)
     if cfg.sampler.name == "vllm":
-        check_vllm_dtype(hw.sampler_dtype, hw.device)
-    if saved_config is not None and saved_config.is_file():
+        distributed.agree(lambda: check_vllm_dtype(hw.sampler_dtype, hw.device))
+    if saved_config is not None and saved_config.is_file() and ranks.main:
         OmegaConf.save(cfg, saved_config)
     return precision
 
 
-def make_tracker(cfg: DictConfig, run_dir: Path, run_name, overrides, precision: Precision) -> Tracker:
+def make_tracker(cfg: DictConfig, run_dir: Path, run_name, overrides, precision: Precision,
+                 ranks: Ranks = SINGLE) -> Tracker | NoTracker:
+    if not ranks.main:
+        return NoTracker()
     return Tracker(
         run_dir, backend=cfg.logger.name, project=cfg.logger.get("project", "fgrpo"),
         name=cfg.run_name or run_name, group=cfg.logger.get("group"), mode=cfg.logger.get("mode"),
         entity=cfg.logger.get("entity"), tags=list(cfg.logger.get("tags") or []),
-        config={**to_container(cfg), "overrides": list(overrides or []), "precision": precision.as_dict()},
+        config={**to_container(cfg), "overrides": list(overrides or []), "precision": precision.as_dict(),
+                "world_size": ranks.world},
     )
 
 
-def step_metrics(groups: Groups, rewards: torch.Tensor, advantages: torch.Tensor, seqs, learned: dict[str, float],
-                 timings: dict[str, float], gamma: float, lr: float) -> dict:
-    """What one step logs: the batch's outcomes and F-GRPO weights (``train/``) and where the time went (``perf/``)."""
-    rates, weights = success_rate(groups.correct), focal_weight(groups.correct, gamma)
-    lengths = [len(c.token_ids) for group in groups.completions for c in group]
-    learner_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
+@dataclass
+class StepOutcomes:
+    """What a step's metrics are computed from, small enough to gather from every rank each step."""
+
+    correct: torch.Tensor  # [P, G] the verifier's verdicts
+    rewards: torch.Tensor  # [P, G] after shaping
+    advantages: torch.Tensor  # [P, G] focal-weighted
+    lengths: list[int]  # each completion's tokens
+    truncated: list[bool]  # each completion stopped by max_new_tokens
+    learner_tokens: int  # prompt and completion tokens of the learner's sequences
+
+    @classmethod
+    def of(cls, groups: Groups, rewards: torch.Tensor, advantages: torch.Tensor, seqs) -> StepOutcomes:
+        completions = [c for group in groups.completions for c in group]
+        return cls(groups.correct, rewards, advantages, [len(c.token_ids) for c in completions],
+                   [c.truncated for c in completions], sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs))
+
+    def gathered(self) -> StepOutcomes:
+        """The whole run's outcomes: every rank's, in rank order (this rank's own with one process)."""
+        parts = distributed.gather_objects(self)
+        if len(parts) == 1:
+            return self
+        return StepOutcomes(*(torch.cat([getattr(p, key) for p in parts]) for key in ("correct", "rewards", "advantages")),
+                            sum((p.lengths for p in parts), []), sum((p.truncated for p in parts), []),
+                            sum(p.learner_tokens for p in parts))
+
+
+def step_metrics(outcomes: StepOutcomes, learned: dict[str, float], timings: dict[str, float], gamma: float, lr: float,
+                 world_size: int = 1) -> dict:
+    """What one step logs: the batch's outcomes and F-GRPO weights (``train/``) and where the time went (``perf/``:
+    rank 0's times; token rates of the whole run)."""
+    correct, rewards, advantages, lengths = outcomes.correct, outcomes.rewards, outcomes.advantages, outcomes.lengths
+    rates, weights = success_rate(correct), focal_weight(correct, gamma)
+    learner_tokens = outcomes.learner_tokens
     work = {key: learned.pop(key) for key in ("padding_frac", "computed_tokens", "matmuls_kept_frac")}
     return {
         **{f"train/{key}": value for key, value in learned.items()},
         "train/reward_mean": float(rewards.mean()),
-        "train/correct_mean": float(groups.correct.mean()),
+        "train/correct_mean": float(correct.mean()),
         "train/frac_all_correct": float((rates == 1).float().mean()),
         "train/frac_all_wrong": float((rates == 0).float().mean()),
         "train/frac_mixed": float(((rates > 0) & (rates < 1)).float().mean()),
@@ -307,11 +379,12 @@ def step_metrics(groups: Groups, rewards: torch.Tensor, advantages: torch.Tensor
         "train/adv_abs_mean_per_group": advantages.abs().mean(dim=1).tolist(),  # in the order of success_rate_hist
         "train/completion_len_mean": float(np.mean(lengths)),
         "train/completion_len_max": float(np.max(lengths)),
-        "train/truncated_frac": float(np.mean([c.truncated for group in groups.completions for c in group])),
+        "train/truncated_frac": float(np.mean(outcomes.truncated)),
         "train/lr": lr,
-        "train/groups": float(len(groups)),
+        "train/groups": float(len(correct)),
+        "perf/world_size": world_size,
         "perf/sample_time_s": timings["sample"],
-        "perf/verify_time_s": groups.verify_time_s,
+        "perf/verify_time_s": timings["verify"],
         "perf/learn_time_s": timings["learn"],
         "perf/sync_time_s": timings["sync"],
         "perf/sampler_tokens_per_s": sum(lengths) / max(timings["sample"], 1e-9),
@@ -325,14 +398,16 @@ def step_metrics(groups: Groups, rewards: torch.Tensor, advantages: torch.Tensor
     }
 
 
-def finish(cfg, run_dir: Path, tracker: Tracker, learner: Learner, tokenizer, curves: dict, before: dict,
-           last_eval: dict) -> dict[str, float]:
-    """The pass@k plot, the run's summary (final and before-training pass@k) and, if asked, the final weights."""
+def finish(cfg, run_dir: Path, tracker: Tracker | NoTracker, learner: Learner, tokenizer, curves: dict, before: dict,
+           last_eval: dict, ranks: Ranks = SINGLE) -> dict[str, float]:
+    """The pass@k plot, the run's summary (final and before-training pass@k) and, if asked, the final weights
+    (rank 0 writes; every rank takes part in gathering sharded weights)."""
     final = {k: v for k, v in last_eval.items() if not k.endswith(("_ci_low", "_ci_high"))}
     plot_path = run_dir / "pass_at_k.png"
     title = f"{cfg.model.name} | {cfg.algo.name} gamma={cfg.focal.gamma} | {cfg.dataset.name}"
-    plot_pass_at_k(curves, plot_path, title=title)
-    tracker.log_image("eval/pass_at_k_curve", plot_path, step=cfg.trainer.steps)
+    if ranks.main:
+        plot_pass_at_k(curves, plot_path, title=title)
+        tracker.log_image("eval/pass_at_k_curve", plot_path, step=cfg.trainer.steps)
     before = {k: v for k, v in before.items() if k.startswith("eval/pass@") and "_ci_" not in k}
     tracker.summary({**final, **{f"{k}_before": v for k, v in before.items()}})
     if cfg.trainer.save_final:

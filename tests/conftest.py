@@ -1,4 +1,6 @@
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,9 +24,10 @@ def compose():
 
     register_configs()
 
-    def _compose(*overrides: str):
+    def _compose(*overrides: str, hydra: bool = False):
+        """``hydra``: with the ``hydra`` node too (the launcher's settings)."""
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-            return hydra_compose("config", overrides=list(overrides), return_hydra_config=False)
+            return hydra_compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
     return _compose
 
@@ -40,3 +43,25 @@ def tiny_model():
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          tie_word_embeddings=True)
     return LlamaForCausalLM(config).float()
+
+
+def slurm_problem() -> str | None:
+    """Why the tests marked ``slurm`` cannot run here, or None when a local cluster is up."""
+    if shutil.which("sbatch") is None or shutil.which("sacct") is None:
+        return "no Slurm client (sbatch/sacct) on PATH: install it and run scripts/local-slurm start"
+    try:
+        status = subprocess.run([str(REPO / "scripts" / "local-slurm"), "status"], capture_output=True, text=True,
+                                timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"scripts/local-slurm status failed: {error}"
+    if status.returncode != 0:
+        return f"no local Slurm cluster is up (run scripts/local-slurm start): {status.stdout.strip()}"
+    return None
+
+
+@pytest.fixture
+def slurm():
+    """Skips the test, saying why, where no Slurm cluster is up (scripts/local-slurm start)."""
+    problem = slurm_problem()
+    if problem:
+        pytest.skip(problem)

@@ -1,6 +1,6 @@
 """One learner step on fixed rollouts, in however many processes launched it: ``python tests/sharded_update.py CASE
 OUT`` (one process, no process group) or ``torchrun --nproc_per_node 2 tests/sharded_update.py CASE OUT`` (the
-policy sharded with FSDP2 over gloo). Rank 0 saves the step's metrics and the updated full parameters to OUT;
+policy sharded with FSDP2 over gloo), or ``python tests/sharded_update.py CASE OUT fsdp`` (sharded in one process). Rank 0 saves the step's metrics and the updated full parameters to OUT;
 tests/test_sharded.py compares one process's file with two's.
 
 The batch is 4 prompts x 4 samples. With 2 ranks, rank 0 learns on 3 groups and rank 1 on 1: uneven shares, so
@@ -64,13 +64,14 @@ def _rotary_in_fp64(self, x, position_ids):
     return (angles.cos() * self.attention_scaling).to(x.dtype), (angles.sin() * self.attention_scaling).to(x.dtype)
 
 
-def main(case_name: str, out: Path) -> None:
+def main(case_name: str, out: Path, fsdp_alone: bool = False) -> None:
+    """``fsdp_alone``: one process, sharded over a process group of one (hardware.fsdp=true)."""
     case = CASES[case_name]
-    ranks = distributed.init_from_env(timeout_s=60)
+    ranks = distributed.init_from_env(timeout_s=60, single_process_group=fsdp_alone)
     model = build_model(case["dtype"], case.get("attention", "sdpa"))
     if case["checkpointing"]:
         model.gradient_checkpointing_enable()
-    if ranks.world > 1:
+    if ranks.world > 1 or fsdp_alone:
         shard_policy(model, device="cpu")
     seqs = grouped_seqs(PROMPTS, SAMPLES, seed=5)
     if ranks.world == 2:  # groups 0-2 on rank 0, group 3 on rank 1
@@ -92,4 +93,4 @@ def main(case_name: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), fsdp_alone=sys.argv[3:] == ["fsdp"])

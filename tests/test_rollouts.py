@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from fgrpo.data import Problem
-from fgrpo.rollouts import Groups, ProblemStream, collect_groups, learner_sequences, overlong_penalty
+from fgrpo.distributed import Ranks
+from fgrpo.rollouts import Groups, ProblemStream, collect_groups, learner_sequences, overlong_penalty, prompt_seeds
 from fgrpo.samplers import Completion
 
 
@@ -54,7 +55,9 @@ def draw_from(verdicts):
 def test_dynamic_sampling_keeps_mixed_groups_and_draws_again():
     draw, seeds = draw_from([[4, 2, 0], [1, 4, 3], [2, 2, 2]])
     groups = collect_groups(draw, ProblemStream(problems(9), seed=0), 3, seed=100, dynamic_sampling=True, max_rounds=3)
-    assert seeds == [100, 100 + 7919]  # two mixed after the second draw: 1 + 2 >= 3, no third
+    # two mixed after the second draw: 1 + 2 >= 3, no third; one seed per prompt, from the draw's and its place
+    assert seeds == [prompt_seeds(100, 3), prompt_seeds(100 + 7919, 3)]
+    assert len(set(seeds[0] + seeds[1])) == 6
     assert groups.correct.sum(dim=1).tolist() == [2, 1, 3] and len(groups.problems) == 3
     assert groups.verify_time_s == 1.0
     draw, seeds = draw_from([[4, 0, 0], [0, 4, 4]])
@@ -81,3 +84,16 @@ def test_overlong_penalty_follows_dapo():
     assert overlong_penalty(16, 32, 16, 1.0) == 0.0
     assert overlong_penalty(24, 32, 16, 1.0) == pytest.approx(-0.5)
     assert overlong_penalty(32, 32, 16, 0.5) == pytest.approx(-0.5)
+
+
+@pytest.mark.parametrize("world,tensor_parallel", [(1, 1), (2, 1), (4, 1), (4, 2), (4, 4)])
+def test_each_rank_learns_on_its_own_share_whatever_engine_drew_it(world, tensor_parallel):
+    items = list(range(8))
+    shares = []
+    for rank in range(world):
+        ranks = Ranks(rank=rank, world=world, tensor_parallel=tensor_parallel)
+        engine_share = ranks.share(items, of_engine=True)
+        assert len(engine_share) == 8 // (world // tensor_parallel)
+        assert ranks.own_part(engine_share) == ranks.share(items)  # sampled together, learned apart
+        shares.append(ranks.share(items))
+    assert sum(shares, []) == items  # each item on exactly one rank, in rank order

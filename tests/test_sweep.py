@@ -207,26 +207,6 @@ def test_slurm_launcher_without_sbatch_says_so_and_submits_nothing(tmp_path):
 # ------------------------------------------------------------------------------ Slurm
 
 
-def slurm_problem() -> str | None:
-    if shutil.which("sbatch") is None or shutil.which("sacct") is None:
-        return "no Slurm client (sbatch/sacct) on PATH: install it and run scripts/local-slurm start"
-    try:
-        status = subprocess.run([str(REPO / "scripts" / "local-slurm"), "status"], capture_output=True, text=True,
-                                timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return f"scripts/local-slurm status failed: {error}"
-    if status.returncode != 0:
-        return f"no local Slurm cluster is up (run scripts/local-slurm start): {status.stdout.strip()}"
-    return None
-
-
-@pytest.fixture
-def slurm():
-    problem = slurm_problem()
-    if problem:
-        pytest.skip(problem)
-
-
 def array_job_ids(sweep_dir: Path) -> list[str]:
     """The Slurm array job ids of a sweep, from submitit's folder names (.submitit/<job>_<task>)."""
     return sorted({p.name.split("_")[0] for p in (sweep_dir / ".submitit").glob("*_*") if p.is_dir()})

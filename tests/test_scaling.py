@@ -1,0 +1,109 @@
+"""The paper's experiment configs, the checks of a config against its launch (world size, tensor parallel, bf16
+weights at a small lr) and the GPU memory estimate that refuses a learner too big for its GPUs."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fgrpo.config import ConfigError, smallest_kept_lr, validate, validate_layout
+from fgrpo.gpu_memory import GIB, check_learner_fits_gpus, learner_memory, model_shape
+
+EXPERIMENTS = ["paper_grpo", "paper_dapo", "paper_cispo"]
+CLIPS = {"paper_grpo": (0.2, 0.2), "paper_dapo": (0.2, 0.28), "paper_cispo": (1.0, 5.0)}
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+@pytest.mark.parametrize("hardware,world", [("gpu_8", 8), ("gpu_2x8", 16)])
+def test_paper_experiments_have_the_papers_settings(compose, experiment, hardware, world):
+    cfg = compose(f"experiment={experiment}", f"hardware={hardware}", "focal=fgrpo")
+    validate(cfg)
+    validate_layout(cfg, world)  # 256 prompts over 8 or 16 ranks
+    assert (cfg.model.name, cfg.model.path, cfg.dataset.name) == ("qwen2_5_7b", "Qwen/Qwen2.5-7B", "deepscaler")
+    assert (cfg.algo.clip_low, cfg.algo.clip_high) == CLIPS[experiment]
+    assert (cfg.trainer.prompts_per_step, cfg.algo.group_size) == (256, 8)
+    assert cfg.trainer.prompts_per_step // cfg.trainer.mini_batches == 64  # the paper's mini-batch
+    assert (cfg.trainer.lr, cfg.trainer.warmup_steps, cfg.trainer.grad_clip) == (1e-6, 15, 1.0)
+    assert (cfg.sampler.max_new_tokens, cfg.sampler.temperature, cfg.sampler.top_p) == (8192, 1.0, 1.0)
+    assert (cfg.algo.kl_coef, cfg.algo.loss_agg, cfg.focal.gamma) == (0.0, "token-mean", 1.0)
+    assert cfg.trainer.steps * cfg.trainer.prompts_per_step == pytest.approx(10 * 39_202, rel=0.01)  # 10 epochs
+    hw = cfg.hardware
+    assert (hw.device, hw.learner_dtype, hw.slurm_tasks_per_node, hw.slurm_gpus_per_node) == ("cuda", "float32", 8, 8)
+    assert hw.slurm_nodes * hw.slurm_tasks_per_node == world
+    assert compose(f"experiment={experiment}", "focal.gamma=0").focal.gamma == 0  # the baseline run
+
+
+def test_the_slurm_launcher_asks_for_one_task_per_gpu(compose):
+    from omegaconf import OmegaConf
+
+    cfg = compose("experiment=paper_grpo", "hardware=gpu_2x8", "hydra/launcher=slurm", hydra=True)
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert (launcher["nodes"], launcher["tasks_per_node"], launcher["gpus_per_node"]) == (2, 8, 8)
+
+
+def test_launch_layout_is_checked_against_the_world_size(compose):
+    validate_layout(compose("trainer.prompts_per_step=8"), 4)
+    with pytest.raises(ConfigError, match=r"trainer.prompts_per_step=6 does not divide over 4 processes .* "
+                                          r"use a multiple of 4 \(e.g. 8\), or launch 1, 2, 3 processes"):
+        validate_layout(compose("trainer.prompts_per_step=6"), 4)
+    with pytest.raises(ConfigError, match="sampler.tensor_parallel_size=3 does not divide the 4 processes"):
+        validate_layout(compose("trainer.prompts_per_step=8", "sampler.tensor_parallel_size=3"), 4)
+    with pytest.raises(ConfigError, match="sampler.tensor_parallel_size=2: splits a vLLM engine over ranks"):
+        validate(compose("sampler=hf", "sampler.tensor_parallel_size=2"))
+
+
+def test_bf16_weights_at_the_papers_lr_are_refused(compose):
+    assert smallest_kept_lr("bfloat16") == pytest.approx(3.9e-5, rel=0.01)
+    with pytest.raises(ConfigError, match=r"hardware.learner_dtype='bfloat16': with trainer.lr=1e-06 most updates "
+                                          r"round to nothing.*hardware.cpu_offload=true"):
+        validate(compose("hardware.learner_dtype=bfloat16", "trainer.lr=1e-6"))
+    validate(compose("hardware.learner_dtype=bfloat16", "trainer.lr=1e-4"))
+    # the claim behind the check: at |w| = 0.01 a bf16 weight does not move by 1e-6, an fp32 one does
+    weight = torch.tensor(0.01)
+    assert weight.bfloat16() + torch.tensor(1e-6).bfloat16() == weight.bfloat16()
+    assert weight + 1e-6 != weight
+
+
+QWEN2_5_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                  num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+
+
+def qwen_7b_folder(tmp_path: Path) -> Path:
+    """A folder with Qwen2.5-7B's config only (no weights: the estimate reads the shape)."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(**QWEN2_5_7B).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_memory_estimate_of_the_7b_learner(tmp_path):
+    shape = model_shape(qwen_7b_folder(tmp_path))
+    assert shape["params"] == 7_615_616_512 and shape["layers"] == 28  # Qwen2.5-7B's published count
+
+    def per_gpu(world, offload=False):
+        return learner_memory(**shape, weight_dtype="float32", compute_dtype="bfloat16", world=world,
+                              cpu_offload=offload, checkpointing=True, micro_batch_tokens=2 * 9216)
+
+    assert per_gpu(1).weights + per_gpu(1).gradients + per_gpu(1).moments == pytest.approx(16 * 7.6157e9, rel=1e-3)
+    assert per_gpu(1).total / GIB > 110  # the issue's 122 GB: it cannot fit one 80 GB card
+    assert per_gpu(8).total / GIB < 40 and per_gpu(16).total < per_gpu(8).total  # half a card, beside vLLM's half
+    assert per_gpu(1, offload=True).total / GIB < 10
+
+
+class _Card:
+    total_memory = 80 * 10**9
+
+
+def test_a_learner_too_big_for_its_gpus_is_refused_before_loading(compose, tmp_path, monkeypatch):
+    # no GPU here: the card's size is the one thing faked (torch.cuda asked for an 80 GB card)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Card())
+    folder = qwen_7b_folder(tmp_path)
+    cfg = compose("experiment=paper_grpo")
+    # 75 GiB per card, half of it vLLM's: 37 GiB for the learner, which takes 35 GiB on 4 GPUs
+    with pytest.raises(ConfigError, match=r"needs about 119 GiB per GPU with 1 process \(.*but each GPU has 37 GiB "
+                                          r".*launch 4 or more GPUs.*hardware.cpu_offload=true with hardware.fsdp"):
+        check_learner_fits_gpus(folder, cfg, 1)
+    check_learner_fits_gpus(folder, cfg, 8)  # fits beside vLLM's half of the card
+    check_learner_fits_gpus(folder, compose("experiment=paper_grpo", "hardware.cpu_offload=true",
+                                            "hardware.fsdp=true"), 1)
