@@ -309,10 +309,11 @@ def validate_layout(cfg: DictConfig | Config, world: int) -> None:
     problems = []
     prompts, tensor_parallel = cfg.trainer.prompts_per_step, cfg.sampler.tensor_parallel_size
     if prompts % world:
-        fits = [n for n in range(1, world + 1) if prompts % n == 0]
+        fits = [str(n) for n in range(2, 2 * world + 1) if prompts % n == 0]
+        launch = f"; or launch {', '.join(fits)} processes" if fits else ""
         problems.append(f"trainer.prompts_per_step={prompts} does not divide over {world} processes (each rank takes "
-                        f"an equal share of the prompts): use a multiple of {world} (e.g. {world * -(-prompts // world)}),"
-                        f" or launch {', '.join(map(str, fits))} processes")
+                        f"an equal share of the prompts): use a multiple of {world} (e.g. {world * -(-prompts // world)})"
+                        + launch)
     if world % tensor_parallel:
         problems.append(f"sampler.tensor_parallel_size={tensor_parallel} does not divide the {world} processes "
                         "(each vLLM engine spans that many ranks): use a divisor of the world size, e.g. 1")

@@ -117,6 +117,10 @@ def world_size() -> int:
     return dist.get_world_size() if active() else 1
 
 
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
 def sum_over_ranks(values: list[float]) -> list[float]:
     """Each value summed over the ranks (float64, on the CPU); the values as they are with one process."""
     return _all_reduce(values, "SUM")

@@ -67,10 +67,14 @@ def completion_logprobs(
     head = model.get_output_embeddings()
     fused = fused_head and not (with_entropy and entropy_grad) and getattr(head, "bias", None) is None
     # through the FSDP2 root when the learner is sharded
-    model_pass = model.__dict__.get(SHARDED_PASS) or functools.partial(_logprobs_pass, model)
+    sharded_root = model.__dict__.get(SHARDED_PASS)
+    model_pass = sharded_root or functools.partial(_logprobs_pass, model)
     flat_logp, flat_entropy = model_pass(
-        layout.input_ids, layout.position_ids, layout.predict_at, targets, _attention_inputs(model, layout, segments), temperature=temperature, fused=fused,
-        with_entropy=with_entropy, entropy_grad=entropy_grad, autocast_dtype=autocast_dtype)
+        layout.input_ids, layout.position_ids, layout.predict_at, targets, _attention_inputs(model, layout, segments),
+        temperature=temperature, fused=fused, with_entropy=with_entropy, entropy_grad=entropy_grad,
+        autocast_dtype=autocast_dtype)
+    if sharded_root is not None and not torch.is_grad_enabled():
+        sharded_root.reshard()  # FSDP2 reshards a root only after a backward: none follows this pass
 
     lengths = [len(s.completion_ids) for s in seqs]
     mask = torch.arange(max(lengths), device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]

@@ -1,11 +1,12 @@
 """Will the learner fit the GPUs it was given? An estimate from the model's config, before any weight loads.
 
 Per GPU, for a learner of P parameters sharded over N ranks (FSDP2, fgrpo.learner): its 1/N of the weights,
-gradients and two AdamW moments, each in ``hardware.learner_dtype`` (fp32: 16 bytes per parameter in all), none of
-them on the GPU with ``hardware.cpu_offload``; two decoder layers gathered whole in the compute dtype (the one
+gradients and two AdamW moments, each in ``hardware.learner_dtype`` (fp32: 16 bytes per parameter in all), and of
+the frozen reference model where the KL term needs one, none of them on the GPU with ``hardware.cpu_offload``; the
+root unit (embedding, final norm, LM head) and two decoder layers gathered whole in the compute dtype (the layer
 computing and the one prefetched); and the activations of one micro-batch. vLLM takes
-``hardware.sampler_gpu_memory_utilization`` of each card. The activation term is a rough rule (below), so the check
-refuses only what clearly cannot fit and leaves a margin to the user's judgement.
+``hardware.sampler_gpu_memory_utilization`` of each card. The activation term is a rough rule (below): the check
+refuses a launch whose state alone cannot fit, and warns where the activations may tip it over.
 """
 
 from __future__ import annotations
@@ -27,28 +28,36 @@ class LearnerMemory:
     weights: float
     gradients: float
     moments: float
-    gathered_layers: float
+    reference: float  # the frozen reference model (KL term), sharded as the policy
+    gathered: float  # the root unit and two decoder layers, whole, in the compute dtype
     activations: float
 
     @property
+    def state(self) -> float:
+        """What the learner holds whatever the batch: all but the activations."""
+        return self.weights + self.gradients + self.moments + self.reference + self.gathered
+
+    @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.moments + self.gathered_layers + self.activations
+        return self.state + self.activations
 
     def describe(self) -> str:
-        parts = ("weights", "gradients", "moments", "gathered_layers", "activations")
-        return ", ".join(f"{name.replace('_', ' ')} {getattr(self, name) / GIB:.1f}" for name in parts)
+        parts = ("weights", "gradients", "moments", "reference", "gathered", "activations")
+        return ", ".join(f"{name} {getattr(self, name) / GIB:.1f}" for name in parts if getattr(self, name))
 
 
-def learner_memory(*, params: int, layer_params: int, hidden: int, layers: int, weight_dtype: str,
-                   compute_dtype: str, world: int, cpu_offload: bool, checkpointing: bool,
-                   micro_batch_tokens: int) -> LearnerMemory:
-    """The estimate of this module's docstring, in bytes per GPU."""
-    state = 0 if cpu_offload else params * BYTES[weight_dtype] / world
+def learner_memory(*, params: int, layer_params: int, root_params: int, hidden: int, layers: int,
+                   weight_dtype: str, compute_dtype: str, world: int, sharded: bool, cpu_offload: bool,
+                   checkpointing: bool, micro_batch_tokens: int, reference: bool = False) -> LearnerMemory:
+    """The estimate of this module's docstring, in bytes per GPU. ``sharded``: FSDP2 (several ranks, or
+    ``hardware.fsdp``); ``cpu_offload`` counts only when sharded."""
+    offloaded = cpu_offload and sharded
+    state = 0 if offloaded else params * BYTES[weight_dtype] / world
     per_layer = ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER * micro_batch_tokens * hidden
     # checkpointed: each layer keeps its input (2 bytes per hidden unit) and one layer at a time recomputes the rest
     activations = (micro_batch_tokens * hidden * 2 * layers + per_layer) if checkpointing else per_layer * layers
-    return LearnerMemory(weights=state, gradients=state, moments=2 * state,
-                         gathered_layers=2 * layer_params * BYTES[compute_dtype] if world > 1 or cpu_offload else 0.0,
+    return LearnerMemory(weights=state, gradients=state, moments=2 * state, reference=state if reference else 0.0,
+                         gathered=(2 * layer_params + root_params) * BYTES[compute_dtype] if sharded else 0.0,
                          activations=activations)
 
 
@@ -62,13 +71,17 @@ def model_shape(folder: Path) -> dict[str, int]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     layers = getattr(model.base_model, "layers", None)
-    return dict(params=sum(p.numel() for p in model.parameters()),
-                layer_params=sum(p.numel() for p in layers[0].parameters()) if layers is not None else 0,
+    params = sum(p.numel() for p in model.parameters())
+    layer_params = sum(p.numel() for p in layers[0].parameters()) if layers is not None else 0
+    return dict(params=params, layer_params=layer_params, root_params=params - layer_params * config.num_hidden_layers,
                 hidden=config.hidden_size, layers=config.num_hidden_layers)
 
 
 def check_learner_fits_gpus(folder: Path, cfg, world: int) -> None:
-    """Raise ConfigError when the learner clearly cannot fit this machine's GPU beside vLLM's share."""
+    """Raise ConfigError when the learner's state cannot fit this machine's GPU beside vLLM's share; log a warning
+    when its activations may not."""
+    import logging
+
     import torch
 
     from fgrpo.config import ConfigError
@@ -81,23 +94,30 @@ def check_learner_fits_gpus(folder: Path, cfg, world: int) -> None:
 
     def need(ranks: int) -> LearnerMemory:
         return learner_memory(**shape, weight_dtype=hw.learner_dtype, compute_dtype=compute, world=ranks,
-                              cpu_offload=hw.cpu_offload and sharded, checkpointing=hw.gradient_checkpointing,
-                              micro_batch_tokens=tokens)
+                              sharded=sharded or ranks > 1, cpu_offload=hw.cpu_offload,
+                              checkpointing=hw.gradient_checkpointing, micro_batch_tokens=tokens,
+                              reference=cfg.algo.kl_coef > 0)
 
     card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     vllm_share = hw.sampler_gpu_memory_utilization if sampler.name == "vllm" else 0.0
     available = card * (1 - vllm_share)
     estimate = need(world)
-    if estimate.total <= available:
-        return
-    enough = next((n for n in (2, 4, 8, 16, 32, 64, 128) if n > world and need(n).total <= available), None)
-    more = f"launch {enough} or more GPUs (about {need(enough).total / GIB:.0f} GiB each then)" if enough else \
-        "more GPUs will not do it alone"
-    raise ConfigError(
-        f"the learner of {cfg.model.name} ({shape['params'] / 1e9:.2f}B parameters, {hw.learner_dtype} weights with "
-        f"AdamW) needs about {estimate.total / GIB:.0f} GiB per GPU with {world} process{'es' if world > 1 else ''} ({estimate.describe()} "
-        f"GiB) but each GPU has {available / GIB:.0f} GiB for it ({card / GIB:.0f} GiB, less vLLM's "
-        f"hardware.sampler_gpu_memory_utilization={vllm_share:g}). Options: {more}; hardware.cpu_offload=true "
-        f"{'' if sharded else 'with hardware.fsdp=true '}(weights, gradients and moments in CPU memory); smaller "
-        "micro-batches (hardware.micro_batch_tokens or micro_batch_size)"
-        + ("" if hw.gradient_checkpointing else "; hardware.gradient_checkpointing=true"))
+    what = (f"the learner of {cfg.model.name} ({shape['params'] / 1e9:.2f}B parameters, {hw.learner_dtype} weights "
+            f"with AdamW) needs about {estimate.total / GIB:.0f} GiB per GPU with {world} "
+            f"process{'es' if world > 1 else ''} ({estimate.describe()} GiB) but each GPU has {available / GIB:.0f} "
+            f"GiB for it ({card / GIB:.0f} GiB, less vLLM's hardware.sampler_gpu_memory_utilization={vllm_share:g})")
+    options = []
+    if not (hw.cpu_offload and sharded):
+        enough = next((n for n in (2, 4, 8, 16, 32, 64, 128) if n > world and need(n).total <= available), None)
+        if enough:
+            options.append(f"launch {enough} or more GPUs (about {need(enough).total / GIB:.0f} GiB each then)")
+        options.append("hardware.cpu_offload=true" + ("" if sharded else " with hardware.fsdp=true")
+                       + " (weights, gradients and moments in CPU memory)")
+    options.append("smaller micro-batches (hardware.micro_batch_tokens or micro_batch_size)")
+    if not hw.gradient_checkpointing:
+        options.append("hardware.gradient_checkpointing=true")
+    if estimate.state > available:
+        raise ConfigError(f"{what}. Options: {'; '.join(options)}")
+    if estimate.total > available:
+        logging.getLogger("fgrpo").warning("%s: it may not fit (the activations are a rough estimate). If it runs "
+                                           "out of memory: %s", what, "; ".join(options))

@@ -112,13 +112,12 @@ class Learner:
                       micro_batch_tokens=s.micro_batch_tokens, autocast_dtype=autocast, share_prompts=s.share_prompts)
         if s.mini_batches > 1:
             fill_old_logprobs(self.policy, seqs, **layout)
-        order = np.random.default_rng(len(seqs)).permutation(len(seqs))
+        chunks = mini_batch_indices(distributed.gather_objects(len(seqs)), distributed.rank(), s.mini_batches)
         results = [
             update_policy(self.policy, self.optimizer, [seqs[i] for i in chunk], loss=self.loss, grad_clip=s.grad_clip,
                           max_new_tokens=s.max_new_tokens, ref_model=self.reference,
                           kept_matmul_bytes=int(s.kept_matmul_gib * 2**30), **layout)
-            # sharded: every rank steps mini_batches times, with or without sequences of its own
-            for chunk in np.array_split(order, s.mini_batches) if len(chunk) or self.sharded
+            for chunk in chunks
         ]
         self.scheduler.step()
         out = {key: float(np.mean([r[key] for r in results])) for key in results[0]}
@@ -155,6 +154,17 @@ class Learner:
         self.policy.save_pretrained(folder, state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
+
+
+def mini_batch_indices(counts: list[int], rank: int, mini_batches: int) -> list[list[int]]:
+    """Each mini-batch's indices into this rank's sequences. The split is one process's: a shuffle of the whole
+    batch (``sum(counts)`` sequences, rank r holding the r-th contiguous block of ``counts[r]``) cut into
+    ``mini_batches``; each rank keeps the part it holds, maybe none (its update then runs fillers). A mini-batch
+    empty on every rank is left out, on every rank alike."""
+    total, offset = sum(counts), sum(counts[:rank])
+    order = np.random.default_rng(total).permutation(total)
+    return [[int(i) - offset for i in chunk if offset <= i < offset + counts[rank]]
+            for chunk in np.array_split(order, mini_batches) if len(chunk)]
 
 
 def shard_policy(policy, *, device: str, autocast_dtype: str | None = None, cpu_offload: bool = False) -> None:

@@ -77,7 +77,7 @@ def prompt_seeds(seed: int, count: int) -> list[int]:
     """One sampling seed per prompt of a draw, from the draw's ``seed`` and the prompt's place in it: the same
     whichever rank draws the prompt. The first is the draw's own (a sampler that takes one seed per call, HF,
     draws as it did from one), the others a prime apart (draws' seeds are consecutive)."""
-    return [(seed + index * 1_000_003) % 2**31 for index in range(count)]
+    return [seed + index * 1_000_003 for index in range(count)]
 
 
 def sample_groups(sampler, problems: list[Problem], prompt_ids: dict[str, list[int]], verifier, *, group_size: int,

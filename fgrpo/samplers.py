@@ -342,6 +342,8 @@ class HFSampler:
                     )
         finally:
             self.model.train(was_training)
+            if sharded_root is not None:
+                sharded_root.reshard()  # FSDP2 reshards a root only after a backward: give back its gathered weights
         return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def update_weights(self, model):

@@ -103,7 +103,8 @@ def train(
                                                     std_normalize=algo.std_normalize) if len(groups) else rewards
                 seqs = learner_sequences(groups, advantages, run.prompt_ids)
                 sampler.release_memory()  # on CPU, vLLM's KV cache and packed weights: dead until the push below
-                with _timed(timings, "learn"), _profiled(run_dir, step if step == cfg.trainer.profile_step else None):
+                profiled_step = step if step == cfg.trainer.profile_step and ranks.main else None
+                with _timed(timings, "learn"), _profiled(run_dir, profiled_step):
                     learned = learner.update(seqs)
                 with _timed(timings, "sync"):
                     learner.push_weights(sampler)

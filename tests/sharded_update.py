@@ -80,6 +80,8 @@ def main(case_name: str, out: Path, fsdp_alone: bool = False) -> None:
     common = dict(pad_id=0, temperature=0.8, **case["layout"])
     if case.get("old_logprobs"):
         fill_old_logprobs(model, seqs, **common)
+        # a pass without a backward must not leave the root's weights gathered (FSDP2 reshards a root after backward)
+        assert ranks.world == 1 or type(model.model.embed_tokens.weight).__name__ == "DTensor"
     metrics = update_policy(model, optimizer, seqs, loss=algo(case["loss"]), grad_clip=case["grad_clip"],
                             max_new_tokens=24, **common)
     def full(tensor):

@@ -148,3 +148,17 @@ def test_learner_update_push_and_state_round_trip(compose, tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     moments = [s["exp_avg_sq"] for s in resumed.optimizer.state_dict()["state"].values()]
     assert moments and all(m.abs().sum() > 0 for m in moments)  # the moments came with the state, not from zero
+
+
+@pytest.mark.parametrize("counts,mini_batches", [([16], 4), ([12, 4], 4), ([5, 0, 3], 2), ([1, 1], 4), ([0, 0], 2)])
+def test_sharded_mini_batches_are_one_processs_split(counts, mini_batches):
+    from fgrpo.learner import mini_batch_indices
+
+    whole = mini_batch_indices([sum(counts)], 0, mini_batches)  # one process holding every sequence
+    per_rank = [mini_batch_indices(counts, rank, mini_batches) for rank in range(len(counts))]
+    assert all(len(chunks) == len(whole) for chunks in per_rank)  # every rank steps as often
+    for index, chunk in enumerate(whole):
+        offsets = [sum(counts[:rank]) for rank in range(len(counts))]
+        held = sorted(offsets[rank] + i for rank, chunks in enumerate(per_rank) for i in chunks[index])
+        assert held == sorted(chunk)  # the ranks' parts of mini-batch k make one process's mini-batch k
+    assert len(whole) == min(mini_batches, sum(counts))  # empty mini-batches are left out, on every rank

@@ -44,7 +44,7 @@ def test_the_slurm_launcher_asks_for_one_task_per_gpu(compose):
 def test_launch_layout_is_checked_against_the_world_size(compose):
     validate_layout(compose("trainer.prompts_per_step=8"), 4)
     with pytest.raises(ConfigError, match=r"trainer.prompts_per_step=6 does not divide over 4 processes .* "
-                                          r"use a multiple of 4 \(e.g. 8\), or launch 1, 2, 3 processes"):
+                                          r"use a multiple of 4 \(e.g. 8\); or launch 2, 3, 6 processes"):
         validate_layout(compose("trainer.prompts_per_step=6"), 4)
     with pytest.raises(ConfigError, match="sampler.tensor_parallel_size=3 does not divide the 4 processes"):
         validate_layout(compose("trainer.prompts_per_step=8", "sampler.tensor_parallel_size=3"), 4)
@@ -82,12 +82,15 @@ def test_memory_estimate_of_the_7b_learner(tmp_path):
 
     def per_gpu(world, offload=False):
         return learner_memory(**shape, weight_dtype="float32", compute_dtype="bfloat16", world=world,
-                              cpu_offload=offload, checkpointing=True, micro_batch_tokens=2 * 9216)
+                              sharded=world > 1 or offload, cpu_offload=offload, checkpointing=True,
+                              micro_batch_tokens=2 * 9216)
 
     assert per_gpu(1).weights + per_gpu(1).gradients + per_gpu(1).moments == pytest.approx(16 * 7.6157e9, rel=1e-3)
     assert per_gpu(1).total / GIB > 110  # the 122 GB: it cannot fit one 80 GB card
     assert per_gpu(8).total / GIB < 40 and per_gpu(16).total < per_gpu(8).total  # half a card, beside vLLM's half
     assert per_gpu(1, offload=True).total / GIB < 10
+    # gathered whole on each GPU: the root unit (embedding and LM head, 2 x 152064 x 3584) and two layers, in bf16
+    assert per_gpu(8).gathered == pytest.approx((2 * 152064 * 3584 + 3584 + 2 * shape["layer_params"]) * 2)
 
 
 class _Card:

@@ -157,6 +157,7 @@ def test_slurm_job_of_two_tasks_trains_as_torchrun_does(slurm, tmp_path):
     assert {p.name for p in (sweep_dir / ".submitit" / job).glob("*_log.out")} == {f"{job}_0_log.out", f"{job}_1_log.out"}
     script = next((sweep_dir / ".submitit").glob(".submission_file_*.sh")).read_text()
     assert "#SBATCH --ntasks-per-node=2" in script
+    assert "--kill-on-bad-exit=1" in script  # a task that fails ends its peers, none waits for a timeout
     (run_dir,) = run_dirs(sweep_dir)
     steps = [row for row in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in row]
     assert [row["step"] for row in steps] == [1, 2]  # once each: rank 0 writes, rank 1 does not

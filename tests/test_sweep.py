@@ -193,6 +193,16 @@ def test_invalid_sweep_value_rejected_before_any_job(tmp_path):
     assert run_dirs(tmp_path) == [] and not (tmp_path / ".submitit").exists()
 
 
+def test_slurm_job_layout_checked_before_anything_is_queued(tmp_path):
+    # 2 tasks per job: 3 prompts per step cannot be shared; caught by the sweeper, before sbatch is even looked for
+    result = sweep(tmp_path, *SLURM, "hardware.slurm_tasks_per_node=2", "trainer.prompts_per_step=3,4")
+    assert result.returncode == 2
+    assert "1 of 2 sweep jobs have invalid configs; nothing was launched" in result.stderr
+    assert "trainer.prompts_per_step=3 does not divide over 2 processes" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert run_dirs(tmp_path) == [] and not (tmp_path / ".submitit").exists()
+
+
 def test_slurm_launcher_without_sbatch_says_so_and_submits_nothing(tmp_path):
     bin_dir = tmp_path / "bin"  # a PATH with this Python and nothing else
     bin_dir.mkdir()

@@ -69,7 +69,7 @@ def describe_failure(result: JobReturn, job_num: int) -> str:
 class ValidatingSweeper(BasicSweeper):
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         super().validate_batch_is_legal(batch)  # each job composes
-        from fgrpo.config import ConfigError, validate
+        from fgrpo.config import ConfigError, validate, validate_layout
 
         loader = self.hydra_context.config_loader
         problems = []
@@ -77,6 +77,9 @@ class ValidatingSweeper(BasicSweeper):
             config = loader.load_sweep_config(master_config=self.config, sweep_overrides=list(overrides))
             try:
                 validate(config)
+                # a job of several tasks (hydra/launcher=slurm, hardware.slurm_*): its processes, checked before queueing
+                launcher = config.hydra.get("launcher") or {}
+                validate_layout(config, int(launcher.get("nodes") or 1) * int(launcher.get("tasks_per_node") or 1))
             except ConfigError as error:
                 problems.append(f"job [{' '.join(overrides)}]: {str(error).replace('invalid config:', '').strip()}")
         if problems:
@@ -141,6 +144,10 @@ class SlurmLauncher(SubmititSlurmLauncher):
         # hardware=cpu asks for 0 GPUs: send no GPU request at all (a node without GRES rejects one)
         if not params.get("gpus_per_node"):
             params["gpus_per_node"] = None
+        if params.get("tasks_per_node", 1) * params.get("nodes", 1) > 1:
+            # several tasks per job (one per GPU): a task that fails ends the others at once, instead of leaving
+            # them waiting in a collective until the process group times out
+            params["srun_args"] = [*(params.get("srun_args") or []), "--kill-on-bad-exit=1"]
         super().__init__(**params)
 
     def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
