@@ -151,6 +151,8 @@ class Learner:
             state = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if not torch.distributed.get_rank() == 0:
                 return
+            if getattr(self.policy.config, "tie_word_embeddings", False):  # gathered as a copy: HF would save it twice
+                state.pop("lm_head.weight", None)
         self.policy.save_pretrained(folder, state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)

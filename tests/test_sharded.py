@@ -110,7 +110,7 @@ def torchrun_run_py(tmp_path: Path, *overrides: str) -> subprocess.CompletedProc
 @pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["hf", "vllm"])
 def test_torchrun_trains_on_two_ranks_and_rank_0_writes_once(tmp_path, sampler):
-    done = torchrun_run_py(tmp_path, f"sampler={sampler}")
+    done = torchrun_run_py(tmp_path, f"sampler={sampler}", "trainer.save_final=true")
     assert done.returncode == 0, done.stderr[-3000:]
     # one run directory for both ranks (rank 0's clock), though each resolved ${now:...} itself
     run_dirs = [config.parent.parent for config in tmp_path.glob("outputs/*/*/.hydra/config.yaml")]
@@ -127,6 +127,17 @@ def test_torchrun_trains_on_two_ranks_and_rank_0_writes_once(tmp_path, sampler):
     assert (run_dirs[0] / "pass_at_k.png").is_file()
     log_lines = (run_dirs[0] / "run.log").read_text().splitlines()
     assert sum("precision:" in line for line in log_lines) == 1  # rank 0's log only
+    # the final model gathered whole from the shards: every tensor at its full shape, and changed by training
+    from safetensors.torch import load_file
+
+    from fgrpo.model import random_folder
+    from sharded_push import TINY
+
+    before = load_file(str(random_folder(TINY, seed=0) / "model.safetensors"))
+    after = load_file(str(run_dirs[0] / "final_model" / "model.safetensors"))
+    assert after.keys() == before.keys()
+    assert all(after[name].shape == before[name].shape and after[name].dtype == torch.float32 for name in before)
+    assert any(not torch.equal(after[name], before[name]) for name in before)
 
 
 @pytest.mark.parametrize("overrides,message", [
