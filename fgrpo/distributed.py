@@ -89,7 +89,8 @@ def init_from_env(*, timeout_s: float = DEFAULT_TIMEOUT_S, single_process_group:
     if "RANK" not in os.environ:
         from submitit.helpers import TorchDistributedEnvironment
 
-        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        # overwrite: Slurm's values are this task's; a stale LOCAL_WORLD_SIZE (vLLM sets one) must not stop it
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
         if torch.cuda.is_available():
@@ -190,6 +191,9 @@ def _portable(error: BaseException | None) -> BaseException | None:
 
 
 def close() -> None:
-    """Leave the process group, if one was joined (vLLM's shutdown may have destroyed it already)."""
+    """Leave the process group, if one was joined (vLLM's shutdown may have destroyed it already), once every rank
+    is done with it: a rank that tore its connections down while a peer still used them was seen to abort."""
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

@@ -3,7 +3,6 @@ same batch: the parameters after the step and the step's metrics (tests/sharded_
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 
 from fgrpo.tracking import read_metrics
 from sharded_update import CASES
-from test_sweep import SLURM, run_dirs, sacct_states, sweep
+from test_sweep import LAUNCH_ENV, SLURM, run_dirs, sacct_states, sweep
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -25,7 +24,7 @@ def torchrun(nproc: int, script: Path, *args: str, env: dict | None = None, cwd:
     """``script`` under torchrun with ``nproc`` local processes, one thread each (2 cores)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(script), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {**LAUNCH_ENV, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=full_env, cwd=cwd)
 
 
@@ -34,7 +33,7 @@ def one_step(case: str, nproc: int, tmp_path: Path, *, fsdp_alone: bool = False)
     if nproc == 1:
         done = subprocess.run([sys.executable, str(TESTS / "sharded_update.py"), case, str(out)]
                               + (["fsdp"] if fsdp_alone else []), capture_output=True,
-                              text=True, timeout=TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              text=True, timeout=TIMEOUT_S, env={**LAUNCH_ENV, "OMP_NUM_THREADS": "1"})
     else:
         done = torchrun(nproc, TESTS / "sharded_update.py", case, str(out))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -160,7 +159,8 @@ def test_slurm_job_of_two_tasks_trains_as_torchrun_does(slurm, tmp_path):
     result = sweep(sweep_dir, *SLURM, "hardware.slurm_tasks_per_node=2", "hardware.slurm_cpus_per_task=1",
                    "hardware.compile_learner=false", "algo.entropy_coef=0.01",
                    "hydra.sweep.subdir=${hydra.job.num}",  # the overrides would name a directory over 255 bytes
-                   env={"OMP_NUM_THREADS": "1"})
+                   # a stale LOCAL_WORLD_SIZE (an in-process vLLM sets one) must not stop a task taking Slurm's
+                   env={"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "1"})
     assert result.returncode == 0, result.stderr[-5000:]
     (job,) = [p.name for p in (sweep_dir / ".submitit").iterdir() if p.is_dir() and p.name.isdigit()]
     assert sacct_states(job, 1) == ["COMPLETED"]

@@ -27,9 +27,14 @@ GRID = ["algo=grpo,cispo", "focal.gamma=0,1"]
 SLURM = ["hydra/launcher=slurm", "hydra.launcher.partition=debug"]
 
 
+# the environment as the tests started: an in-process vLLM engine (other tests) later adds LD_PRELOAD (tcmalloc,
+# libgomp) and LOCAL_WORLD_SIZE to os.environ, which the processes started here must not inherit
+LAUNCH_ENV = dict(os.environ)
+
+
 def sweep(sweep_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, str(REPO / "run.py"), "-m", *TINY, f"hydra.sweep.dir={sweep_dir}", *overrides]
-    full_env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
+    full_env = {**LAUNCH_ENV, "WANDB_MODE": "offline", **(env or {})}
     return subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
