@@ -102,6 +102,11 @@ def init_from_env(*, timeout_s: float = DEFAULT_TIMEOUT_S, single_process_group:
     return Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local=local)
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded learner's tensor (an FSDP2 DTensor) gathered from every rank, a collective; any other as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def _free_port() -> int:
     import socket
 

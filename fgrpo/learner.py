@@ -293,8 +293,7 @@ def update_policy(
             totals[key] += metrics[key] * tokens
         ratio_max = max(ratio_max, metrics["ratio_max"])
         totals["entropy"] += entropy_sum
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # sharded: a DTensor
+    grad_norm = float(distributed.whole(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)))
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         raise FloatingPointError("the gradient norm is not finite; lower trainer.lr or check the rewards")

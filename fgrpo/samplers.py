@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from fgrpo.config import ConfigError
+from fgrpo.distributed import whole
 from fgrpo.forward import SHARDED_PASS, mixed_precision
 from fgrpo.process_memory import discard_pages
 
@@ -175,7 +176,7 @@ class VLLMSampler:
         tied = getattr(model.config, "tie_word_embeddings", False)
         # cast to the engine's dtype here: one copy per tensor, and no per-tensor dtype warnings; a sharded learner's
         # tensor is gathered whole first (every rank in the same order: each gather is a collective)
-        weights = ((name, _whole(tensor).detach().to(self.dtype)) for name, tensor in model.state_dict().items()
+        weights = ((name, whole(tensor).detach().to(self.dtype)) for name, tensor in model.state_dict().items()
                    if not (tied and name == "lm_head.weight"))
         # reload_weights re-runs the post-load weight processing (CPU kernels prepack weights), which
         # a bare model.load_weights would skip
@@ -222,11 +223,6 @@ class VLLMSampler:
                 except Exception as exc:  # shutting down must not hide the run's own error
                     log.debug("vLLM shutdown: %s", exc)
             del llm
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A sharded learner's parameter (an FSDP2 DTensor) gathered from every rank; any other tensor as it is."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _released_cpu_storages(worker) -> list[torch.UntypedStorage]:

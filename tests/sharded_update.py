@@ -84,11 +84,8 @@ def main(case_name: str, out: Path, fsdp_alone: bool = False) -> None:
         assert ranks.world == 1 or type(model.model.embed_tokens.weight).__name__ == "DTensor"
     metrics = update_policy(model, optimizer, seqs, loss=algo(case["loss"]), grad_clip=case["grad_clip"],
                             max_new_tokens=24, **common)
-    def full(tensor):
-        return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
-
-    params = {name: full(p) for name, p in model.named_parameters()}
-    grads = {name: full(p.grad) for name, p in model.named_parameters()}  # clipped, as the step used them
+    params = {name: distributed.whole(p).detach().clone() for name, p in model.named_parameters()}
+    grads = {name: distributed.whole(p.grad).detach().clone() for name, p in model.named_parameters()}  # clipped, as the step used them
     if ranks.main:
         torch.save({"metrics": metrics, "params": params, "grads": grads, "world": ranks.world}, out)
     distributed.close()
