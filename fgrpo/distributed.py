@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,9 @@ log = logging.getLogger("fgrpo")
 
 # a collective that waits longer than this fails instead of hanging (a rank that died, a mismatched call)
 DEFAULT_TIMEOUT_S = 1800
+# How long close() leaves the GIL free for gloo's worker threads before the interpreter may start its exit (see close)
+GLOO_DRAIN_S = 0.25
+_joined_group = False  # set once this process joins a process group
 
 
 @dataclass(frozen=True)
@@ -82,9 +86,8 @@ def init_from_env(*, timeout_s: float = DEFAULT_TIMEOUT_S, single_process_group:
     Slurm's variables (submitit's TorchDistributedEnvironment) first."""
     if launched_world_size() == 1:
         if single_process_group and not dist.is_initialized():
-            dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
-                                    init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            _join("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", timeout_s,
+                  init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         return SINGLE
     if "RANK" not in os.environ:
         from submitit.helpers import TorchDistributedEnvironment
@@ -98,8 +101,14 @@ def init_from_env(*, timeout_s: float = DEFAULT_TIMEOUT_S, single_process_group:
             backend = "cpu:gloo,cuda:nccl"
         else:
             backend = "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        _join(backend, timeout_s)
     return Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local=local)
+
+
+def _join(backend: str, timeout_s: float, **where) -> None:
+    global _joined_group
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **where)
+    _joined_group = True
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -197,8 +206,22 @@ def _portable(error: BaseException | None) -> BaseException | None:
 
 def close() -> None:
     """Leave the process group, if one was joined (vLLM's shutdown may have destroyed it already), once every rank
-    is done with it: a rank that tore its connections down while a peer still used them was seen to abort."""
+    is done with it, and without the abort that gloo may cause at interpreter exit.
+
+    That abort (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#190489): a gloo worker
+    thread drops a finished collective's tensors a moment after the collective completed, and a tensor that Python
+    no longer holds needs the GIL to be freed. If the interpreter has begun to exit by then, the thread is killed
+    inside a C++ destructor and the process aborts, after all its work was done: torchrun then reports the rank
+    failed and Slurm the job. Seen in 3 of 63 launches of tests/sharded_update.py on 2 cores (page cache dropped
+    before some), 0 of 60 with what follows (AVX512-BF16 machine, bench/RESULTS.md). The sync
+    point is an all-reduce on a tensor held here, not ``dist.barrier()``, which also holds the unfinished
+    collectives before it; the pause after it, with the GIL released, lets the workers drop what they hold while
+    the interpreter is whole. The process group itself stays alive until exit: FSDP's meshes keep it.
+    """
     if dist.is_available() and dist.is_initialized():
+        held = torch.zeros(1)
         if dist.get_world_size() > 1:
-            dist.barrier()
+            dist.all_reduce(held)  # every rank is done with the group: none tears its connections down under a peer
         dist.destroy_process_group()
+    if _joined_group:  # also when vLLM's shutdown destroyed the group: the workers live on
+        time.sleep(GLOO_DRAIN_S)
