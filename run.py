@@ -58,6 +58,7 @@ def quiet_other_ranks(rank: int) -> None:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from fgrpo import distributed
+    from fgrpo.checkpoint import CheckpointError
     from fgrpo.data import DataError
     from fgrpo.model import ModelSourceError
     from fgrpo.samplers import SamplerUnavailable
@@ -80,7 +81,7 @@ def main(cfg: DictConfig) -> float | None:
     log.info("run directory: %s%s", run_dir, f" (W&B group {cfg.logger.group})" if sweeping else "")
     try:
         final = train(cfg, run_dir, run_name=run_name, overrides=list(hydra_cfg.overrides.task), saved_config=saved)
-    except (ConfigError, DataError, ModelSourceError, SamplerUnavailable) as error:
+    except (ConfigError, DataError, ModelSourceError, SamplerUnavailable, CheckpointError) as error:
         if ranks.main:
             log.error("%s", error)
         if sweeping:  # this job fails alone; the sweep goes on and reports it at the end

@@ -161,6 +161,14 @@ class TrainerConfig:
     # optimizer steps per sampled batch (PPO mini-batches); 1 = on-policy, as the default run
     mini_batches: int = 1
     save_final: bool = False
+    # checkpoints (fgrpo/checkpoint.py) under the run directory: every N steps (0: not by steps) and every M minutes
+    # (0: not by time), whichever comes first; a Slurm time limit or preemption (SIGUSR2) saves one as well
+    checkpoint_every: int = 0
+    checkpoint_every_min: float = 30.0
+    keep_checkpoints: int = 2  # the newest K; older ones are deleted once a newer one is complete
+    # the same command in a run directory that has a checkpoint continues from it; false: start over (the
+    # directory's previous files move to a replaced-<time>/ folder inside it)
+    resume: bool = True
     # this step's learner update runs under torch.profiler: its top ops go to profile_step<N>.txt in the run dir
     profile_step: Optional[int] = None
 
@@ -232,6 +240,11 @@ def validate(cfg: DictConfig | Config) -> None:
     need(cfg.trainer.grad_clip > 0, "trainer.grad_clip", cfg.trainer.grad_clip, "must be > 0")
     need(1 <= cfg.trainer.mini_batches <= cfg.trainer.prompts_per_step, "trainer.mini_batches",
          cfg.trainer.mini_batches, "must be between 1 and trainer.prompts_per_step")
+    need(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every", cfg.trainer.checkpoint_every,
+         "must be >= 0 (steps between checkpoints; 0 = by time only)")
+    need(cfg.trainer.checkpoint_every_min >= 0, "trainer.checkpoint_every_min", cfg.trainer.checkpoint_every_min,
+         "must be >= 0 (minutes between checkpoints; 0 = by steps only)")
+    need(cfg.trainer.keep_checkpoints >= 1, "trainer.keep_checkpoints", cfg.trainer.keep_checkpoints, "must be >= 1")
     need(cfg.eval.every >= 0, "eval.every", cfg.eval.every, "must be >= 0 (0 = evaluate before and after training only)")
     need(cfg.eval.n_samples >= 1, "eval.n_samples", cfg.eval.n_samples, "must be >= 1")
     need(cfg.eval.max_problems >= 1, "eval.max_problems", cfg.eval.max_problems, "must be >= 1")
@@ -319,6 +332,38 @@ def validate_layout(cfg: DictConfig | Config, world: int) -> None:
                         "(each vLLM engine spans that many ranks): use a divisor of the world size, e.g. 1")
     if problems:
         raise ConfigError("invalid config for this launch:\n  " + "\n  ".join(problems))
+
+
+# Keys a resumed run may change: how it runs and what it records, not what it learns. hardware.* too (a run saved
+# by 2 ranks may go on in 1), except the weights' dtype, which the checkpoint holds.
+RESUMABLE_KEYS = ("hardware.", "logger.", "eval.", "run_name", "trainer.steps", "trainer.checkpoint_every",
+                  "trainer.checkpoint_every_min", "trainer.keep_checkpoints", "trainer.resume", "trainer.save_final",
+                  "trainer.profile_step", "sampler.hf_batch_size", "sampler.tensor_parallel_size")
+FIXED_HARDWARE_KEYS = ("hardware.learner_dtype",)
+
+
+def experiment_differences(saved: dict, current: dict) -> list[str]:
+    """``key: saved -> current`` for each config key whose change would make a resumed run another experiment
+    (algo, gamma, model, data, group size, lr, seed ...); those in :data:`RESUMABLE_KEYS` may change."""
+    flat_saved, flat_current = _flatten(saved), _flatten(current)
+    differing = []
+    for key in sorted(flat_saved.keys() | flat_current.keys()):
+        if key.startswith(RESUMABLE_KEYS) and key not in FIXED_HARDWARE_KEYS:
+            continue
+        before, after = flat_saved.get(key, "<absent>"), flat_current.get(key, "<absent>")
+        if before != after:
+            differing.append(f"{key}: {before!r} -> {after!r}")
+    return differing
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def to_container(cfg: DictConfig) -> dict:

@@ -45,6 +45,7 @@ WANDB_MODES = ("offline", "online", "disabled", "shared", "dryrun", "run")
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+SUPERSEDED_FILE = "metrics_superseded.jsonl"  # rows a resumed run dropped from metrics.jsonl (see Tracker)
 _RESERVED_KEYS = ("step", "time")
 
 # Quiet and cheap, but keep what helps reproduce a run (git commit, hardware, pip freeze) and the
@@ -134,6 +135,9 @@ class Tracker:
         mode: W&B mode; None means $WANDB_MODE, else ``"offline"`` (see :func:`resolve_wandb_mode`).
         wandb_settings: overrides for ``wandb.Settings`` (defaults: ``console="off"``,
             ``save_code=False``, ``quiet=True``), e.g. ``{"x_disable_stats": True}``.
+        resume_id: continue this W&B run (a run resumed from a checkpoint); W&B drops rows of steps it has.
+        keep_steps_through: a resumed run: rows of later steps in an existing metrics.jsonl (logged after the
+            checkpoint, before the crash) move to metrics_superseded.jsonl, so each step appears once.
     """
 
     WANDB_FLUSH_TIMEOUT_S = 30.0
@@ -152,6 +156,8 @@ class Tracker:
         tags: Sequence[str] | None = None,
         entity: str | None = None,
         wandb_settings: Mapping[str, Any] | None = None,
+        resume_id: str | None = None,
+        keep_steps_through: int | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; choose one of {', '.join(BACKENDS)}")
@@ -167,6 +173,8 @@ class Tracker:
         self._wandb = None  # the wandb module, once imported
         self._wandb_run = None  # the live wandb Run; None when W&B is off or has failed
         self._wandb_run_started = None  # kept after a failure so close() can still finish it
+        if keep_steps_through is not None:
+            supersede_rows_after(self.metrics_path, keep_steps_through)
         self._metrics_file = self._open_metrics_file()
         if backend == "wandb":
             self._start_wandb(
@@ -177,6 +185,7 @@ class Tracker:
                 tags=list(tags) if tags is not None else None,
                 entity=entity,
                 settings_overrides=dict(wandb_settings or {}),
+                **({"id": resume_id, "resume": "allow"} if resume_id else {}),
             )
 
     # ---- public state -------------------------------------------------------------------
@@ -185,6 +194,12 @@ class Tracker:
     def wandb_run(self):
         """The live ``wandb`` Run, or None when W&B is off or has failed (e.g. for its URL)."""
         return self._wandb_run
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The W&B run's id (a checkpoint keeps it, so a resumed run logs to the same run); None without W&B."""
+        run = self._wandb_run_started
+        return run.id if run is not None else None
 
     @property
     def wandb_active(self) -> bool:
@@ -404,6 +419,29 @@ class Tracker:
             raise ValueError(f"metric key {key!r} starts with '_', which W&B reserves for its own keys")
 
 
+def supersede_rows_after(metrics_path: Path, last_step: int) -> int:
+    """Keep in ``metrics_path`` the rows up to ``last_step``; move later ones (and a half-written last line) to
+    metrics_superseded.jsonl beside it, so nothing logged is lost. The file is replaced atomically. Returns how
+    many rows moved."""
+    if not metrics_path.exists():
+        return 0
+    kept, moved = [], []
+    for line in metrics_path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            row_step = json.loads(line)["step"] if line.endswith("\n") else None
+        except (ValueError, KeyError, TypeError):
+            row_step = None
+        (kept if row_step is not None and row_step <= last_step else moved).append(line)
+    if moved:
+        with open(metrics_path.with_name(SUPERSEDED_FILE), "a", encoding="utf-8") as superseded:
+            superseded.writelines(line if line.endswith("\n") else line + "\n" for line in moved)
+        temporary = metrics_path.with_name(metrics_path.name + ".tmp")
+        temporary.write_text("".join(kept), encoding="utf-8")
+        os.replace(temporary, metrics_path)
+        logger.info("%s: %d rows after step %d moved to %s", metrics_path, len(moved), last_step, SUPERSEDED_FILE)
+    return len(moved)
+
+
 def _end_of_last_complete_line(file, size: int, window: int = 64 * 1024) -> int:
     """Offset just past the last newline of a binary file (0 if none), reading only its tail."""
     end = size
@@ -481,6 +519,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 class NoTracker:
     """What the other ranks of a multi-process run hold instead of a :class:`Tracker`: rank 0 alone writes the
     metrics, the summary and W&B, from numbers already gathered from every rank."""
+
+    wandb_run_id = None
 
     def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
         pass

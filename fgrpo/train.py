@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fgrpo import distributed
+from fgrpo import checkpoint, distributed
 from fgrpo.advantages import focal_group_advantages, focal_weight, success_rate
 from fgrpo.compiled_layers import auto_kept_matmul_gib, require_cpp_compiler
-from fgrpo.config import ConfigError, to_container, validate, validate_layout
+from fgrpo.config import ConfigError, experiment_differences, to_container, validate, validate_layout
 from fgrpo.distributed import SINGLE, Ranks
 from fgrpo.data import Problem, arithmetic_problems, build_prompt, load_problems
 from fgrpo.evaluation import evaluate
@@ -57,12 +57,20 @@ def train(
 
     ranks = distributed.init_from_env(single_process_group=cfg.hardware.fsdp)  # several processes (torchrun, Slurm tasks): each its share of the prompts
     run = prepare(cfg, saved_config, ranks)
+    resuming = distributed.agree(lambda: plan_resume(cfg, run_dir, ranks))  # before the model loads: a refusal is cheap
     ranks = dataclasses.replace(ranks, tensor_parallel=cfg.sampler.tensor_parallel_size)
     algo, sampling = cfg.algo, cfg.sampler
     learner = Learner(run.folder, learner_settings(cfg), loss_settings(algo), pad_id=run.tokenizer.pad_token_id,
                       generates=sampling.name == "hf")
     sampler = make_sampler(cfg, run.folder, learner.policy, run.tokenizer, ranks)
     stream = ProblemStream(run.data.train, seed=cfg.seed)
+    resumed = checkpoint.resume(run_dir, learner.policy, learner.optimizer) if resuming else None
+    if resumed is not None:
+        learner.scheduler.load_state_dict(resumed.state.scheduler)
+        stream.load_state_dict(resumed.state.stream)
+        learner.push_weights(sampler)
+        log.info("resumed from %s: step %d done, %d to go", resumed.path, resumed.state.step,
+                 max(0, cfg.trainer.steps - resumed.state.step))
 
     def draw(problems: list[Problem], seeds: list[int]) -> Groups:
         return sample_groups(sampler, problems, run.prompt_ids, run.verifier, group_size=algo.group_size,
@@ -75,14 +83,31 @@ def train(
                         temperature=sampling.temperature, top_p=sampling.top_p, seed=cfg.seed + 1_000_003,
                         ranks=ranks)
 
-    curves = {}
-    with make_tracker(cfg, run_dir, run_name, overrides, run.precision, ranks) as tracker, \
-            _remembering_interrupts() as interrupted:
-        eval_metrics, curves["before training"] = evaluate_now()
-        tracker.log(eval_metrics, step=0)
-        before = eval_metrics
-        progress = tqdm(range(1, cfg.trainer.steps + 1), desc="training", unit="step", dynamic_ncols=True,
-                        disable=not ranks.main)
+    def save(step: int) -> None:
+        state = checkpoint.TrainerState(
+            step=step, stream=stream.state_dict(), scheduler=learner.scheduler.state_dict(), before=before,
+            last_eval=eval_metrics, curves=curves, wandb_run_id=tracker.wandb_run_id, config=to_container(cfg),
+            world_size=ranks.world)
+        start = time.perf_counter()
+        path = checkpoint.save_checkpoint(run_dir, learner.policy, learner.optimizer, state,
+                                          keep=cfg.trainer.keep_checkpoints)
+        log.info("checkpoint of step %d saved in %.1f s: %s", step, time.perf_counter() - start, path)
+
+    stopped_at = None
+    with make_tracker(cfg, run_dir, run_name, overrides, run.precision, ranks, resumed) as tracker, \
+            _remembering_interrupts() as interrupted, _stop_requests() as stop_requests:
+        if resumed is None:
+            eval_metrics, curve = evaluate_now()
+            curves = {"before training": curve}
+            tracker.log(eval_metrics, step=0)
+            before, first_step = eval_metrics, 1
+        else:
+            state = resumed.state
+            before, eval_metrics, curves, first_step = state.before, state.last_eval, state.curves, state.step + 1
+            checkpoint.restore_rng(resumed.rng)  # last: nothing between the save and the next step draws
+        last_save = time.monotonic()
+        progress = tqdm(range(first_step, cfg.trainer.steps + 1), desc="training", unit="step", dynamic_ncols=True,
+                        disable=not ranks.main, initial=first_step - 1, total=cfg.trainer.steps)
         for step in progress:
             if interrupted:  # a Ctrl-C that landed where it was swallowed (seen inside torch.compile) stops here
                 raise KeyboardInterrupt(f"interrupted during step {step - 1}")
@@ -120,9 +145,23 @@ def train(
                 tracker.log(eval_metrics, step=step)
                 if ranks.main:
                     progress.write(f"step {step}: eval pass@1 = {eval_metrics['eval/pass@1']:.3f}")
-        final = finish(cfg, run_dir, tracker, learner, run.tokenizer, curves, before, eval_metrics, ranks)
+            every, minutes = cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_every_min
+            # one decision for all ranks: a signal may reach some of them only, and the clock is rank 0's
+            stop, timed = distributed.max_over_ranks(
+                [float(bool(stop_requests)), float(ranks.main and minutes > 0 and time.monotonic() - last_save >= 60 * minutes)])
+            if stop or timed or (every and step % every == 0):
+                save(step)
+                last_save = time.monotonic()
+            if stop:
+                stopped_at = step
+                break
+        if stopped_at is None:
+            final = finish(cfg, run_dir, tracker, learner, run.tokenizer, curves, before, eval_metrics, ranks)
+    exit_code = hand_over_stop(stopped_at, run_dir, stop_requests) if stopped_at is not None else None
     sampler.close()  # vLLM's shutdown takes the process group down with it: last
     distributed.close()
+    if exit_code is not None:
+        raise SystemExit(exit_code)
     return final
 
 
@@ -266,6 +305,91 @@ def make_sampler(cfg: DictConfig, folder: Path, policy, tokenizer, ranks: Ranks 
     return HFSampler(policy, tokenizer, batch_size=cfg.sampler.hf_batch_size, autocast_dtype=cfg.hardware.autocast_dtype)
 
 
+# the exit code of a run that stopped on SIGUSR2 outside submitit: EX_TEMPFAIL, "try again" (it resumes)
+STOPPED_EXIT_CODE = 75
+REPLACED_PREFIX = "replaced-"
+
+
+def plan_resume(cfg: DictConfig, run_dir: Path, ranks: Ranks = SINGLE) -> bool:
+    """Whether this run continues from a checkpoint in ``run_dir``; before the model loads. Raises ConfigError if
+    the checkpoint is of another experiment (a key outside config.RESUMABLE_KEYS changed), listing the keys.
+    ``trainer.resume=false``: rank 0 moves a previous run's files into ``replaced-<time>/`` inside the directory,
+    and the run starts over."""
+    if not cfg.trainer.resume:
+        if ranks.main:
+            _move_previous_run_aside(run_dir)
+        return False
+    candidates = checkpoint.resume_candidates(run_dir)
+    if not candidates:
+        return False
+    saved = checkpoint.read_trainer_state(candidates[0])
+    differences = experiment_differences(saved.config, to_container(cfg))
+    if differences:
+        raise ConfigError(
+            f"{run_dir} holds a checkpoint (step {saved.step}) of another experiment; these keys differ (saved -> now):"
+            "\n  " + "\n  ".join(differences) + "\nRun the saved experiment's command to resume it, or start over: "
+            "trainer.resume=false (the directory's files move to a replaced-<time>/ folder) or another hydra.run.dir")
+    return True
+
+
+def _move_previous_run_aside(run_dir: Path) -> None:
+    """A previous run's outputs (not Hydra's .hydra/ and run.log, which are this run's now) into replaced-<time>/."""
+    previous = [p for p in run_dir.iterdir() if p.name not in (".hydra", "run.log")
+                and not p.name.startswith(REPLACED_PREFIX)] if run_dir.is_dir() else []
+    if not any(p.name in (checkpoint.CHECKPOINTS, "metrics.jsonl") for p in previous):
+        return
+    aside = run_dir / f"{REPLACED_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir()
+    for path in previous:
+        path.rename(aside / path.name)
+    log.warning("trainer.resume=false: the previous run's files in %s moved to %s; starting over", run_dir, aside.name)
+
+
+@contextlib.contextmanager
+def _stop_requests():
+    """Yield a list that records each SIGUSR2: Slurm's warning before a time limit (submitit asks for it) or a
+    preemption's, or ``scancel --signal=USR2``. The loop saves a checkpoint at the end of the step and stops
+    (:func:`hand_over_stop`). The handler before (submitit's requeue) is kept in the list's ``previous``."""
+    import signal
+    import threading
+
+    received = _Requests()
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    received.previous = signal.signal(signal.SIGUSR2, lambda signum, frame: received.append(signum))
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGUSR2, received.previous)
+
+
+class _Requests(list):
+    previous = None
+
+
+def hand_over_stop(step: int, run_dir: Path, requests: _Requests) -> int:
+    """After a stop's checkpoint: in a Slurm job of a sweep, rank 0 gives the signal to submitit's handler, which
+    requeues the job (the requeued job runs the same Hydra job in the same directory, and resumes). Returns the
+    code the process exits with, the same on every rank (submitit's -1, else :data:`STOPPED_EXIT_CODE`); every rank
+    waits here until rank 0 has requeued, or a rank that left first could end the job (srun --kill-on-bad-exit)
+    before the requeue."""
+    import signal
+
+    log.warning("stopped after step %d on SIGUSR2, its checkpoint saved in %s; the same command (same run directory) "
+                "continues the run", step, run_dir)
+    code = STOPPED_EXIT_CODE
+    if callable(requests.previous) and distributed.rank() == 0:
+        try:
+            requests.previous(signal.SIGUSR2, None)  # submitit's: requeue, then sys.exit(-1)
+        except SystemExit as exit_:
+            code = exit_.code
+        except Exception as error:  # noqa: BLE001 - e.g. submitit's "timed-out too many times": not requeued
+            log.error("the job was not requeued: %s", error)
+            code = 1
+    return distributed.from_rank0(code)
+
+
 @contextlib.contextmanager
 def _remembering_interrupts():
     """Yield a list that records each SIGINT; each one still raises KeyboardInterrupt as Python does by default.
@@ -319,11 +443,15 @@ def settle_hardware(cfg: DictConfig, saved_config: Path | None = None, ranks: Ra
 
 
 def make_tracker(cfg: DictConfig, run_dir: Path, run_name, overrides, precision: Precision,
-                 ranks: Ranks = SINGLE) -> Tracker | NoTracker:
+                 ranks: Ranks = SINGLE, resumed: checkpoint.Resumed | None = None) -> Tracker | NoTracker:
+    """Rank 0's tracker. Resumed: the same W&B run, and metrics.jsonl keeps the rows up to the checkpoint's step
+    (later ones, logged before the run stopped, move to metrics_superseded.jsonl); a run that starts at step 0 in a
+    directory with rows from an attempt that saved no checkpoint supersedes all of them."""
     if not ranks.main:
         return NoTracker()
     return Tracker(
-        run_dir, backend=cfg.logger.name, project=cfg.logger.get("project", "fgrpo"),
+        run_dir, resume_id=resumed.state.wandb_run_id if resumed else None,
+        keep_steps_through=resumed.state.step if resumed else -1, backend=cfg.logger.name, project=cfg.logger.get("project", "fgrpo"),
         name=cfg.run_name or run_name, group=cfg.logger.get("group"), mode=cfg.logger.get("mode"),
         entity=cfg.logger.get("entity"), tags=list(cfg.logger.get("tags") or []),
         config={**to_container(cfg), "overrides": list(overrides or []), "precision": precision.as_dict(),
