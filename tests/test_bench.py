@@ -99,3 +99,12 @@ def test_tiny_run_trl(tiny_run):
     assert workload["trl"]["summary"]["prompt_tokens_per_sample"] == workload["ours"]["summary"]["prompt_tokens_per_sample"]
     assert workload["trl"]["summary"]["generated_tokens"] == workload["ours"]["summary"]["generated_tokens"] == 2 * 2 * 8
     assert "| metric | ours | trl | TRL / ours |" in table
+
+
+def test_checkpoint_io_prints_size_and_times(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "checkpoint_io.py"), "--model", "tiny_random",
+                           "--repeats", "1", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    median = done.stdout.strip().splitlines()[-1]
+    assert median.startswith("median: save ") and " GiB/s written)" in median
+    assert not list(tmp_path.iterdir())  # nothing left behind

@@ -193,16 +193,18 @@ def test_a_resume_that_would_change_the_experiment_is_refused_before_the_model_l
     assert "Loading weights" not in done.stderr
 
 
-def test_resume_false_starts_over_and_keeps_the_previous_runs_files_aside(uninterrupted, tmp_path):
+def test_resume_false_starts_over_keeps_the_previous_runs_files_aside_and_time_makes_checkpoints(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted, run_dir)
-    done = run(run_dir, "trainer.resume=false", "trainer.steps=1")
+    # and checkpoints by time: every 6 ms, so after each step
+    done = run(run_dir, "trainer.resume=false", "trainer.steps=2", "trainer.checkpoint_every=0",
+               "trainer.checkpoint_every_min=0.0001")
     assert done.returncode == 0, done.stderr[-3000:]
     (aside,) = run_dir.glob("replaced-*")
     assert read_metrics(aside / "metrics.jsonl") == read_metrics(uninterrupted / "metrics.jsonl")
     assert (aside / "checkpoints" / "step_0000006").is_dir()
-    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r] == [1]
-    assert not (run_dir / "checkpoints").exists()  # one step, none due
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r] == [1, 2]
+    assert [p.name for p in checkpoint.complete_checkpoints(run_dir)] == ["step_0000001", "step_0000002"]
 
 
 def test_sigusr2_outside_slurm_saves_at_the_end_of_the_step_and_exits_75(uninterrupted, tmp_path):
@@ -283,8 +285,7 @@ def test_a_slurm_job_sent_usr2_saves_is_requeued_and_ends_as_an_uninterrupted_on
     attempts = subprocess.run(["sacct", "-j", f"{array}_0", "-D", "-X", "-n", "-o", "State"], capture_output=True,
                               text=True, timeout=60).stdout.split()
     assert attempts == ["REQUEUED", "COMPLETED"], attempts
-    task_log = "".join(p.read_text() for p in (sweep_dir / ".submitit" / f"{array}_0").glob("*_log.err"))
-    assert "resumed from" in task_log, task_log[-3000:]
+    assert "stopped after step" in run_log(signalled) and "resumed from" in run_log(signalled)
     (saved,) = checkpoint.complete_checkpoints(signalled)  # none was due by steps or time: the signal's
     assert 2 <= checkpoint.read_step(saved) < 8
     rows = read_metrics(signalled / "metrics.jsonl")
