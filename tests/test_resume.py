@@ -231,6 +231,40 @@ def test_sigusr2_outside_slurm_saves_at_the_end_of_the_step_and_exits_75(uninter
     assert_same_weights(final_weights(run_dir), final_weights(uninterrupted))
 
 
+def test_sigusr2_to_one_rank_stops_both_at_the_same_step(tmp_path):
+    """A signal may reach one task only: the ranks agree at the end of the step, save together and exit 75."""
+    run_dir = tmp_path / "run"
+    log = open(tmp_path / "stderr.txt", "w")
+    process = subprocess.Popen(command(run_dir, "trainer.checkpoint_every=0", "trainer.steps=40",
+                                       "hardware.compile_learner=false", "hardware.sampler_kv_cache_gib=0.125",
+                                       ranks=2), cwd=REPO, env=environment(2), stdout=subprocess.DEVNULL, stderr=log)
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + TIMEOUT_S
+    while process.poll() is None and time.time() < deadline:
+        if metrics.exists() and any(r["step"] == 1 and "train/loss" in r for r in read_metrics(metrics)):
+            break
+        time.sleep(0.05)
+    rank_1 = [pid for pid in process_tree(process.pid) if b"LOCAL_RANK=1\0" in _environ(pid)]
+    assert len(rank_1) == 1, rank_1
+    os.kill(rank_1[0], signal.SIGUSR2)
+    process.wait(timeout=TIMEOUT_S)
+    log.close()
+    stderr = (tmp_path / "stderr.txt").read_text()
+    # torchrun's record: the first rank out exited 75 (torchrun then ends the other, past its last collective)
+    assert "exitcode  : 75" in stderr.split("Root Cause")[-1], stderr[-3000:]
+    (saved,) = checkpoint.complete_checkpoints(run_dir)
+    stopped = checkpoint.read_step(saved)
+    assert stopped < 40 and f"stopped after step {stopped} on SIGUSR2" in run_log(run_dir)
+    assert max(r["step"] for r in read_metrics(metrics)) == stopped
+    assert len(list((saved / checkpoint.RNG).iterdir())) == 2  # both ranks wrote theirs
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
+
+
 @pytest.mark.slow
 def test_the_vllm_sampler_resumes_its_step_data_cursor_and_optimizer(tmp_path):
     vllm = ["sampler=vllm", "trainer.steps=4", "hardware.sampler_kv_cache_gib=0.125"]
