@@ -57,6 +57,7 @@ class TrainerState:
     scheduler: dict  # the lr schedule's state (its warm-up position)
     before: dict = field(default_factory=dict)  # the evaluation before training (the summary reports it)
     last_eval: dict = field(default_factory=dict)  # the latest evaluation's metrics
+    last_eval_step: int = 0  # the step of that evaluation
     curves: dict = field(default_factory=dict)  # the pass@k curves so far, for the final plot
     wandb_run_id: str | None = None  # the resumed run logs to the same W&B run
     config: dict = field(default_factory=dict)  # the experiment's config: a resume must not change the experiment
@@ -117,7 +118,7 @@ def capture_rng() -> dict:
     """This process's random states: Python's, NumPy's, torch's CPU generator and each CUDA device's."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device: a resume may see another count of GPUs
     return state
 
 
@@ -126,7 +127,7 @@ def restore_rng(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 # ---- saving -----------------------------------------------------------------------------------------------------
@@ -153,18 +154,24 @@ def save_checkpoint(run_dir: Path, policy, optimizer, state: TrainerState, *, ke
     def write():
         model_state, optimizer_state = get_state_dict(policy, optimizer)
         _dcp("save", {"model": model_state, "optimizer": optimizer_state}, partial / WEIGHTS)
-        torch.save(capture_rng(), partial / RNG / f"rank_{distributed.rank()}.pt")
+        _save_synced(capture_rng(), partial / RNG / f"rank_{distributed.rank()}.pt")
         if ranks_main:
-            torch.save(asdict(state), partial / TRAINER_FILE)
+            _save_synced(asdict(state), partial / TRAINER_FILE)
 
     def publish():
         if ranks_main:
+            _sync_directory(partial / RNG)
+            _sync_directory(partial)
             if final.exists():  # a checkpoint of this step from an attempt that went on past it: superseded
                 shutil.rmtree(final)
             os.replace(partial, final)
+            _sync_directory(root)
             _write_atomically(root / LATEST, final.name)
-            for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
+            # later steps than this one are an abandoned attempt's (a resume fell back past them): they go first,
+            # or pruning by step would keep them and delete this one
+            kept = [p for p in complete_checkpoints(run_dir) if read_step(p) <= state.step]
+            for stale in [p for p in complete_checkpoints(run_dir) if read_step(p) > state.step] + kept[:-keep]:
+                shutil.rmtree(stale, ignore_errors=True)
 
     try:
         distributed.agree(prepare)
@@ -184,7 +191,7 @@ def _save_failure(root: Path, step: int, error: BaseException) -> str:
         causes.append(causes[-1].__cause__ or causes[-1].__context__)
     existing = next(p for p in (root, *root.parents) if p.exists())
     free = shutil.disk_usage(existing).free
-    full = free < 16 * 2**20 or any(
+    full = free < 2**20 or any(
         getattr(c, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(c) for c in causes)
     kept = complete_checkpoints(root.parent)
     where = f"the previous one ({kept[-1].name}) is kept and a re-run resumes from it" if kept else "there is no earlier one"
@@ -218,6 +225,22 @@ def _last_line(failure) -> str:
     return f"{type(error).__name__}: {lines[-1]}" if lines else type(error).__name__
 
 
+def _save_synced(obj, path: Path) -> None:
+    """torch.save, then fsync: a node that dies after the rename must not leave an empty file in a checkpoint."""
+    with open(path, "wb") as file:
+        torch.save(obj, file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _sync_directory(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def _write_atomically(path: Path, text: str) -> None:
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "w") as file:
@@ -225,12 +248,31 @@ def _write_atomically(path: Path, text: str) -> None:
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)
+    _sync_directory(path.parent)
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
 
 def read_trainer_state(path: Path) -> TrainerState:
     return TrainerState(**torch.load(Path(path) / TRAINER_FILE, weights_only=False))
+
+
+def newest_readable(run_dir: Path) -> tuple[Path, TrainerState] | None:
+    """The first of :func:`resume_candidates` whose trainer state reads (one that does not is passed over with a
+    warning); None when the run has no checkpoint. Raises :class:`CheckpointError` if none reads."""
+    candidates = resume_candidates(run_dir)
+    failures = []
+    for path in candidates:
+        try:
+            return path, read_trainer_state(path)
+        except Exception as error:  # noqa: BLE001 - a truncated or garbled trainer.pt: the one before may do
+            failures.append(f"{path.name}: {type(error).__name__}: {error}")
+            log.warning("checkpoint %s: its %s does not read (%s); trying an older one", path, TRAINER_FILE, error)
+    if failures:
+        raise CheckpointError(f"no checkpoint in {checkpoints_dir(run_dir)} has a readable {TRAINER_FILE}:\n  "
+                              + "\n  ".join(failures) + "\nStart over with trainer.resume=false (the run's files "
+                              "are moved aside)")
+    return None
 
 
 @dataclass
@@ -268,7 +310,8 @@ def resume(run_dir: Path, policy, optimizer) -> Resumed | None:
     """Load the newest readable checkpoint of ``run_dir`` (every rank calls this); None when there is none. One
     that fails to load (a corrupt file) is passed over with a warning for the one before it; if none loads,
     :class:`CheckpointError`."""
-    candidates = distributed.agree(lambda: resume_candidates(run_dir))
+    # rank 0's list: ranks that saw the file system differently must still try the same checkpoints in order
+    candidates = distributed.from_rank0(distributed.agree(lambda: resume_candidates(run_dir)))
     failures = []
     for path in candidates:
         try:

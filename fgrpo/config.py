@@ -125,6 +125,9 @@ class HardwareConfig:
     slurm_mem_gb: int = 16
     slurm_nodes: int = 1
     slurm_tasks_per_node: int = 1
+    # Slurm sends SIGUSR2 this long before the time limit: the run finishes its step, saves and is requeued. Set it
+    # above a step, an evaluation and a save (else the requeue comes mid-step, from the checkpoint before)
+    slurm_signal_delay_s: int = 120
 
 
 @dataclass
@@ -245,6 +248,8 @@ def validate(cfg: DictConfig | Config) -> None:
     need(cfg.trainer.checkpoint_every_min >= 0, "trainer.checkpoint_every_min", cfg.trainer.checkpoint_every_min,
          "must be >= 0 (minutes between checkpoints; 0 = by steps only)")
     need(cfg.trainer.keep_checkpoints >= 1, "trainer.keep_checkpoints", cfg.trainer.keep_checkpoints, "must be >= 1")
+    need(cfg.hardware.slurm_signal_delay_s >= 60, "hardware.slurm_signal_delay_s", cfg.hardware.slurm_signal_delay_s,
+         "must be >= 60 (seconds before the time limit: the step, the save and the requeue must fit)")
     need(cfg.eval.every >= 0, "eval.every", cfg.eval.every, "must be >= 0 (0 = evaluate before and after training only)")
     need(cfg.eval.n_samples >= 1, "eval.n_samples", cfg.eval.n_samples, "must be >= 1")
     need(cfg.eval.max_problems >= 1, "eval.max_problems", cfg.eval.max_problems, "must be >= 1")
@@ -347,7 +352,8 @@ def experiment_differences(saved: dict, current: dict) -> list[str]:
     (algo, gamma, model, data, group size, lr, seed ...); those in :data:`RESUMABLE_KEYS` may change."""
     flat_saved, flat_current = _flatten(saved), _flatten(current)
     differing = []
-    for key in sorted(flat_saved.keys() | flat_current.keys()):
+    # a key the saved config lacks came with a newer fgrpo (its default is what the saved run ran): not compared
+    for key in sorted(flat_saved.keys()):
         if key.startswith(RESUMABLE_KEYS) and key not in FIXED_HARDWARE_KEYS:
             continue
         before, after = flat_saved.get(key, "<absent>"), flat_current.get(key, "<absent>")

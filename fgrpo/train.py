@@ -57,7 +57,8 @@ def train(
 
     ranks = distributed.init_from_env(single_process_group=cfg.hardware.fsdp)  # several processes (torchrun, Slurm tasks): each its share of the prompts
     run = prepare(cfg, saved_config, ranks)
-    resuming = distributed.agree(lambda: plan_resume(cfg, run_dir, ranks))  # before the model loads: a refusal is cheap
+    # before the model loads (a refusal is cheap); rank 0's answer, so that every rank takes the same path
+    resuming = distributed.from_rank0(distributed.agree(lambda: plan_resume(cfg, run_dir, ranks)))
     ranks = dataclasses.replace(ranks, tensor_parallel=cfg.sampler.tensor_parallel_size)
     algo, sampling = cfg.algo, cfg.sampler
     learner = Learner(run.folder, learner_settings(cfg), loss_settings(algo), pad_id=run.tokenizer.pad_token_id,
@@ -86,7 +87,9 @@ def train(
     def save(step: int) -> None:
         state = checkpoint.TrainerState(
             step=step, stream=stream.state_dict(), scheduler=learner.scheduler.state_dict(), before=before,
-            last_eval=eval_metrics, curves=curves, wandb_run_id=tracker.wandb_run_id, config=to_container(cfg),
+            last_eval=eval_metrics, last_eval_step=last_eval_step, curves=curves, config=to_container(cfg),
+            # a W&B that failed to start this time must not lose the run's id for the attempts after
+            wandb_run_id=tracker.wandb_run_id or (resumed.state.wandb_run_id if resumed else None),
             world_size=ranks.world)
         start = time.perf_counter()
         path = checkpoint.save_checkpoint(run_dir, learner.policy, learner.optimizer, state,
@@ -95,15 +98,22 @@ def train(
 
     stopped_at = None
     with make_tracker(cfg, run_dir, run_name, overrides, run.precision, ranks, resumed) as tracker, \
-            _remembering_interrupts() as interrupted, _stop_requests() as stop_requests:
+            _remembering_interrupts() as interrupted, \
+            _stop_requests(cfg.hardware.slurm_signal_delay_s - STOP_MARGIN_S) as stop_requests:
         if resumed is None:
             eval_metrics, curve = evaluate_now()
             curves = {"before training": curve}
             tracker.log(eval_metrics, step=0)
-            before, first_step = eval_metrics, 1
+            before, first_step, last_eval_step = eval_metrics, 1, 0
         else:
             state = resumed.state
             before, eval_metrics, curves, first_step = state.before, state.last_eval, state.curves, state.step + 1
+            last_eval_step = state.last_eval_step
+            if first_step > cfg.trainer.steps and last_eval_step != state.step:
+                # nothing left to train (trainer.steps lowered to the checkpoint's): the final numbers are its own
+                eval_metrics, curves["after training"] = evaluate_now()
+                tracker.log(eval_metrics, step=state.step)
+                last_eval_step = state.step
             checkpoint.restore_rng(resumed.rng)  # last: nothing between the save and the next step draws
         last_save = time.monotonic()
         progress = tqdm(range(first_step, cfg.trainer.steps + 1), desc="training", unit="step", dynamic_ncols=True,
@@ -142,6 +152,7 @@ def train(
             progress.set_postfix(reward=f"{metrics.get('train/correct_mean', float('nan')):.3f}")
             if step == cfg.trainer.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 eval_metrics, curves["after training"] = evaluate_now()
+                last_eval_step = step
                 tracker.log(eval_metrics, step=step)
                 if ranks.main:
                     progress.write(f"step {step}: eval pass@1 = {eval_metrics['eval/pass@1']:.3f}")
@@ -157,10 +168,13 @@ def train(
                 break
         if stopped_at is None:
             final = finish(cfg, run_dir, tracker, learner, run.tokenizer, curves, before, eval_metrics, ranks)
-    exit_code = hand_over_stop(stopped_at, run_dir, stop_requests) if stopped_at is not None else None
+    if stopped_at is not None:
+        exit_code, failure = hand_over_stop(stopped_at, run_dir, stop_requests)
     sampler.close()  # vLLM's shutdown takes the process group down with it: last
     distributed.close()
-    if exit_code is not None:
+    if stopped_at is not None:
+        if failure is not None:  # submitit's "not requeued" error: raised, so that submitit records the reason
+            raise failure
         raise SystemExit(exit_code)
     return final
 
@@ -307,6 +321,8 @@ def make_sampler(cfg: DictConfig, folder: Path, policy, tokenizer, ranks: Ranks 
 
 # the exit code of a run that stopped on SIGUSR2 outside submitit: EX_TEMPFAIL, "try again" (it resumes)
 STOPPED_EXIT_CODE = 75
+# of the time between Slurm's SIGUSR2 and its time limit, what the requeue needs after the save (submitit's calls)
+STOP_MARGIN_S = 30
 REPLACED_PREFIX = "replaced-"
 
 
@@ -315,14 +331,20 @@ def plan_resume(cfg: DictConfig, run_dir: Path, ranks: Ranks = SINGLE) -> bool:
     the checkpoint is of another experiment (a key outside config.RESUMABLE_KEYS changed), listing the keys.
     ``trainer.resume=false``: rank 0 moves a previous run's files into ``replaced-<time>/`` inside the directory,
     and the run starts over."""
-    if not cfg.trainer.resume:
+    restarted = max(int(os.environ.get(k, 0) or 0) for k in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))
+    if not cfg.trainer.resume and restarted:  # a requeued job or a restarted torchrun has the first attempt's command
+        log.info("trainer.resume=false holds for the first attempt only: this is restart %d, it resumes", restarted)
+    elif not cfg.trainer.resume:
         if ranks.main:
             _move_previous_run_aside(run_dir)
         return False
-    candidates = checkpoint.resume_candidates(run_dir)
-    if not candidates:
+    found = checkpoint.newest_readable(run_dir)
+    if found is None:
         return False
-    saved = checkpoint.read_trainer_state(candidates[0])
+    saved = found[1]
+    if cfg.trainer.steps < saved.step:
+        raise ConfigError(f"trainer.steps={cfg.trainer.steps} is below the step of {run_dir}'s checkpoint ({saved.step}): "
+                          f"set trainer.steps to {saved.step} or more to go on, or start over with trainer.resume=false")
     differences = experiment_differences(saved.config, to_container(cfg))
     if differences:
         raise ConfigError(
@@ -346,10 +368,15 @@ def _move_previous_run_aside(run_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def _stop_requests():
+def _stop_requests(deadline_s: float = 0.0):
     """Yield a list that records each SIGUSR2: Slurm's warning before a time limit (submitit asks for it) or a
     preemption's, or ``scancel --signal=USR2``. The loop saves a checkpoint at the end of the step and stops
-    (:func:`hand_over_stop`). The handler before (submitit's requeue) is kept in the list's ``previous``."""
+    (:func:`hand_over_stop`). The handler before (submitit's requeue) is kept in the list's ``previous``.
+
+    ``deadline_s``: if the step, its evaluation and the save are not done that long after the signal (a slow step
+    would run into the time limit, and nothing would requeue the job), submitit's handler runs at once, from
+    wherever the run is: the job is requeued and resumes from the checkpoint before. Only where there is such a
+    handler (a Slurm job of a sweep)."""
     import signal
     import threading
 
@@ -357,37 +384,50 @@ def _stop_requests():
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
-    received.previous = signal.signal(signal.SIGUSR2, lambda signum, frame: received.append(signum))
+
+    def on_signal(signum, frame):
+        if not received and deadline_s > 0 and callable(received.previous):
+            signal.alarm(max(1, int(deadline_s)))
+        received.append(signum)
+
+    def too_late(signum, frame):
+        log.warning("no step boundary within %.0f s of SIGUSR2: requeueing now, from the checkpoint before", deadline_s)
+        received.previous(signal.SIGUSR2, frame)
+
+    received.previous = signal.signal(signal.SIGUSR2, on_signal)
+    previous_alarm = signal.signal(signal.SIGALRM, too_late)
     try:
         yield received
-    finally:
-        signal.signal(signal.SIGUSR2, received.previous)
+    finally:  # None: a handler set outside Python, which cannot be put back; the default is the closest
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous_alarm if previous_alarm is not None else signal.SIG_DFL)
+        signal.signal(signal.SIGUSR2, received.previous if received.previous is not None else signal.SIG_DFL)
 
 
 class _Requests(list):
     previous = None
 
 
-def hand_over_stop(step: int, run_dir: Path, requests: _Requests) -> int:
+def hand_over_stop(step: int, run_dir: Path, requests: _Requests) -> tuple[int, Exception | None]:
     """After a stop's checkpoint: in a Slurm job of a sweep, rank 0 gives the signal to submitit's handler, which
     requeues the job (the requeued job runs the same Hydra job in the same directory, and resumes). Returns the
-    code the process exits with, the same on every rank (submitit's -1, else :data:`STOPPED_EXIT_CODE`); every rank
-    waits here until rank 0 has requeued, or a rank that left first could end the job (srun --kill-on-bad-exit)
-    before the requeue."""
+    code the process exits with, the same on every rank (submitit's -1, else :data:`STOPPED_EXIT_CODE`), and on
+    rank 0 the error of a handler that would not requeue (submitit's "timed-out too many times"). Every rank waits
+    here until rank 0 has requeued: a rank that left first could end the job (srun --kill-on-bad-exit) before it."""
     import signal
 
     log.warning("stopped after step %d on SIGUSR2, its checkpoint saved in %s; the same command (same run directory) "
                 "continues the run", step, run_dir)
-    code = STOPPED_EXIT_CODE
+    code, failure = STOPPED_EXIT_CODE, None
     if callable(requests.previous) and distributed.rank() == 0:
         try:
             requests.previous(signal.SIGUSR2, None)  # submitit's: requeue, then sys.exit(-1)
         except SystemExit as exit_:
-            code = exit_.code
-        except Exception as error:  # noqa: BLE001 - e.g. submitit's "timed-out too many times": not requeued
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        except Exception as error:  # noqa: BLE001 - raised again once every rank is done
             log.error("the job was not requeued: %s", error)
-            code = 1
-    return distributed.from_rank0(code)
+            code, failure = 1, error
+    return distributed.from_rank0(code), failure
 
 
 @contextlib.contextmanager

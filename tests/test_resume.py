@@ -191,6 +191,9 @@ def test_a_resume_that_would_change_the_experiment_is_refused_before_the_model_l
     assert "trainer.steps" not in done.stderr  # going on longer is the same experiment
     assert "trainer.resume=false" in done.stderr and "Traceback" not in done.stderr
     assert "Loading weights" not in done.stderr
+    fewer = run(run_dir, "trainer.steps=4")  # fewer steps than the checkpoint has done
+    assert fewer.returncode == 2 and "trainer.steps=4 is below the step of" in fewer.stderr
+    assert "set trainer.steps to 6 or more" in fewer.stderr
 
 
 def test_resume_false_starts_over_keeps_the_previous_runs_files_aside_and_time_makes_checkpoints(uninterrupted, tmp_path):
