@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from fgrpo import distributed
+from fgrpo.tracking import write_text_atomic
 
 log = logging.getLogger("fgrpo")
 
@@ -166,7 +167,8 @@ def save_checkpoint(run_dir: Path, policy, optimizer, state: TrainerState, *, ke
                 shutil.rmtree(final)
             os.replace(partial, final)
             _sync_directory(root)
-            _write_atomically(root / LATEST, final.name)
+            write_text_atomic(root / LATEST, final.name)
+            _sync_directory(root)
             # later steps than this one are an abandoned attempt's (a resume fell back past them): they go first,
             # or pruning by step would keep them and delete this one
             kept = [p for p in complete_checkpoints(run_dir) if read_step(p) <= state.step]
@@ -239,16 +241,6 @@ def _sync_directory(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
-    _sync_directory(path.parent)
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------

@@ -435,9 +435,7 @@ def supersede_rows_after(metrics_path: Path, last_step: int) -> int:
     if moved:
         with open(metrics_path.with_name(SUPERSEDED_FILE), "a", encoding="utf-8") as superseded:
             superseded.writelines(line if line.endswith("\n") else line + "\n" for line in moved)
-        temporary = metrics_path.with_name(metrics_path.name + ".tmp")
-        temporary.write_text("".join(kept), encoding="utf-8")
-        os.replace(temporary, metrics_path)
+        write_text_atomic(metrics_path, "".join(kept))
         logger.info("%s: %d rows after step %d moved to %s", metrics_path, len(moved), last_step, SUPERSEDED_FILE)
     return len(moved)
 
@@ -469,8 +467,11 @@ def _json_safe_keep_nan(value: Any) -> Any:
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON via a temp file + rename, so a crash leaves the old file or the new one, never half."""
-    text = json.dumps(data, indent=2, allow_nan=False, sort_keys=True) + "\n"
+    write_text_atomic(path, json.dumps(data, indent=2, allow_nan=False, sort_keys=True) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` via a fsynced temp file + rename, so a crash leaves the old file or the new one, never half."""
     handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as tmp:
