@@ -79,6 +79,8 @@ class DatasetConfig:
     kind: str = "arithmetic"  # arithmetic | sources
     verifier: str = "numeric"  # numeric | math
     verifier_timeout_s: float = 5.0
+    # processes verifying a step's answers (verifier: math); auto = min(8, this rank's cores - 1), 1 = in the trainer
+    verifier_workers: Any = "auto"
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     train: Optional[DataSourceConfig] = None
     eval: list[DataSourceConfig] = field(default_factory=list)
@@ -181,6 +183,12 @@ class EvalConfig:
     every: int = 15  # steps between evaluations; 0 = only before the first and after the last step
     n_samples: int = 16
     max_problems: int = 40
+    # fgrpo.evaluate only: the model to evaluate, a run directory (its final_model, else its latest checkpoint),
+    # a checkpoint folder, an HF folder or a hub id; null = the model group's own weights
+    model: Optional[str] = None
+    # a rare-trajectory set (python -m fgrpo.rare_nll build): each evaluation logs eval/rare_nll and its change from
+    # the base model, eval/rare_nll_delta; null = not measured
+    rare_set: Optional[str] = None
 
 
 @dataclass
@@ -219,7 +227,7 @@ def validate(cfg: DictConfig | Config) -> None:
     from fgrpo.precision import AUTOCAST_CHOICES, SAMPLER_CHOICES
     from fgrpo.samplers import SAMPLERS
     from fgrpo.tracking import BACKENDS, WANDB_MODES
-    from fgrpo.verifier import VERIFIER_KINDS
+    from fgrpo.verifier import AUTO_WORKERS, VERIFIER_KINDS
 
     problems: list[str] = []
 
@@ -303,6 +311,10 @@ def validate(cfg: DictConfig | Config) -> None:
     need(cfg.dataset.kind in DATASET_KINDS, "dataset.kind", cfg.dataset.kind, f"must be one of {DATASET_KINDS}")
     need(cfg.dataset.verifier in VERIFIER_KINDS, "dataset.verifier", cfg.dataset.verifier,
          f"must be one of {VERIFIER_KINDS}")
+    workers = cfg.dataset.verifier_workers
+    need(workers == AUTO_WORKERS or (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1),
+         "dataset.verifier_workers", workers, f"must be {AUTO_WORKERS} or an int >= 1 (1 = verify in the trainer "
+         f"process); e.g. dataset.verifier_workers={AUTO_WORKERS} or dataset.verifier_workers=4")
     need(cfg.logger.name in BACKENDS, "logger.name", cfg.logger.name, f"must be one of {BACKENDS}")
     need(cfg.logger.mode is None or cfg.logger.mode in WANDB_MODES, "logger.mode", cfg.logger.mode,
          f"must be one of {WANDB_MODES} (or unset: $WANDB_MODE, else offline)")
@@ -343,7 +355,8 @@ def validate_layout(cfg: DictConfig | Config, world: int) -> None:
 # by 2 ranks may go on in 1), except the weights' dtype, which the checkpoint holds.
 RESUMABLE_KEYS = ("hardware.", "logger.", "eval.", "run_name", "trainer.steps", "trainer.checkpoint_every",
                   "trainer.checkpoint_every_min", "trainer.keep_checkpoints", "trainer.resume", "trainer.save_final",
-                  "trainer.profile_step", "sampler.hf_batch_size", "sampler.tensor_parallel_size")
+                  "trainer.profile_step", "sampler.hf_batch_size", "sampler.tensor_parallel_size",
+                  "dataset.verifier_workers")
 FIXED_HARDWARE_KEYS = ("hardware.learner_dtype",)
 
 

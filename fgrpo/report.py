@@ -2,11 +2,22 @@
 
     python -m fgrpo.report outputs/multirun/2026-11-22/10-00-00 [--out DIR]
 
-Reads only what the runs wrote (``.hydra/config.yaml``, ``.hydra/hydra.yaml`` and ``metrics.jsonl`` in each
-run directory; the sweep's ``multirun.yaml`` and submitit's ``.submitit/`` log folders), so a sweep copied back
-from a cluster reports the same. A job that failed before it wrote a run directory is still listed as FAILED
-(from the job list in ``multirun.yaml``), with its Slurm log when there is one. Writes ``report.md`` and ``report.png``
-(pass@k curves, one panel per algorithm, one line per gamma, drawn by :mod:`fgrpo.plots`) next to the sweep, or into ``--out``.
+Reads only what the runs wrote (``.hydra/config.yaml``, ``.hydra/hydra.yaml``, ``metrics.jsonl`` and
+``eval_counts.jsonl`` in each run directory; the sweep's ``multirun.yaml`` and submitit's ``.submitit/`` log folders),
+so a sweep copied back from a cluster reports the same. A job that failed before it wrote a run directory is still
+listed as FAILED (from the job list in ``multirun.yaml``), with its Slurm log when there is one. Writes ``report.md``
+and ``report.png`` (pass@k curves, one panel per algorithm, one line per gamma, drawn by :mod:`fgrpo.plots`) next to
+the sweep, or into ``--out``.
+
+Significance: where runs wrote per-problem counts (``eval_counts.jsonl``), each row with gamma != 0 also shows its
+difference to the gamma = 0 row of the same algorithm at pass@1 and at a large k, with the p-value of the paired
+m-out-of-n subsampling test (:mod:`fgrpo.compare`) on the average over the eval sets. The seeds of a cell are pooled
+per problem: their samples are concatenated (n = sum of the seeds' n, c = sum of their c), so the test sees every
+sample of the cell. m = n // 4 of the pooled n; the large k is the largest power of two <= min(the table's largest k,
+m / 2) (beyond m / 2 the test is unreliable, see docs/evaluation.md); 10,000 iterations by default
+(``--significance-iterations``; the paper's 50,000 take five times as long for a p-value resolution that a table of
+differences rarely needs). Runs without counts (older runs) show "—" and a note; when no run has counts the columns
+are left out.
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fgrpo.compare import (AVERAGE, COUNTS_FILE, DEFAULT_ALPHA, CompareError, EvalCounts, aligned_counts,
+                           load_counts, paired_test, pool_counts)
 from fgrpo.plots import plot_pass_at_k_panels
 from fgrpo.tracking import read_metrics
 
@@ -29,6 +42,8 @@ CELL_KEYS = ("algo.name", "focal.gamma")
 SETTLED_KEYS = {"hardware.autocast_dtype", "hardware.sampler_dtype", "hardware.keep_matmul_outputs_gib"}
 FREE_KEYS = ("seed", "run_name", "logger.group", "logger.tags", "logger.mode", "trainer.save_final",
              "trainer.profile_step")
+SIGNIFICANCE_ITERATIONS = 10_000  # per compared row: about 3 s at the paper's size (6 x 500 problems, 8 x 1024 samples)
+NO_VALUE = "—"
 
 
 class ReportError(ValueError):
@@ -211,8 +226,108 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
 
 
-def build_table(runs: list[Run]) -> tuple[list[str], list[list[str]], int]:
-    """Header, rows (strings) and the largest k. The best mean per column is marked with '*'."""
+Cell = tuple[str, float]  # (algo, gamma)
+
+
+@dataclass
+class Significance:
+    """The significance columns of the table: their header, the cells of each row, and the notes under the table."""
+
+    header: list[str]
+    cells: dict[Cell, list[str]]
+    notes: list[str]
+
+
+def _pooled_cell_counts(cell_runs: list[Run]) -> EvalCounts:
+    """The cell's seeds pooled per problem, each run read at the step of its final evaluation row."""
+    return pool_counts([load_counts(run.path, step=run.final.get("step")) for run in cell_runs])
+
+
+def _p_text(p: float) -> str:
+    return f"{p:.3f}" if p >= 1e-3 else f"{p:.0e}"
+
+
+def significance_columns(runs: list[Run], largest_k: int, *, iterations: int = SIGNIFICANCE_ITERATIONS,
+                         alpha: float = DEFAULT_ALPHA, seed: int = 0) -> Significance | None:
+    """Per row with gamma != 0: pass@k(row) - pass@k(gamma = 0 row of the same algo) at k = 1 and at the largest
+    power of two <= min(largest_k, m / 2), in percentage points, with the paired test's p-value (fgrpo.compare,
+    average over the eval sets, seeds pooled per problem, m = n // 4 of the smaller pooled n).
+
+    None when no completed run wrote eval_counts.jsonl (the table then has no such columns). Rows whose counts are
+    missing or do not match show NO_VALUE, with a note saying why; nothing here raises.
+    """
+    completed = [r for r in runs if r.status == "completed"]
+    if not any((r.path / COUNTS_FILE).is_file() for r in completed):
+        return None
+    cells: dict[Cell, list[Run]] = defaultdict(list)
+    for run in completed:
+        cells[(run.algo, run.gamma)].append(run)
+    pooled: dict[Cell, EvalCounts] = {}
+    notes = []
+    for cell, cell_runs in sorted(cells.items()):
+        without = [r for r in cell_runs if not (r.path / COUNTS_FILE).is_file()]
+        if without:
+            notes.append(f"{cell[0]}, gamma={cell[1]:g}: {len(without)} of its runs wrote no {COUNTS_FILE} "
+                         f"(e.g. {without[0].path}; runs from before per-problem counts), so no test ({NO_VALUE})")
+            continue
+        try:
+            pooled[cell] = _pooled_cell_counts(cell_runs)
+        except CompareError as error:
+            notes.append(f"{cell[0]}, gamma={cell[1]:g}: {error} ({NO_VALUE})")
+    pairs = {cell: (cell[0], 0.0) for cell in cells if cell[1] != 0}
+    testable = {cell: base for cell, base in pairs.items() if cell in pooled and base in pooled}
+    for cell, base in sorted(pairs.items()):
+        if base not in cells:
+            notes.append(f"{cell[0]}, gamma={cell[1]:g}: no gamma=0 run of {cell[0]} to compare with ({NO_VALUE})")
+    half_m = {cell: min(pooled[cell].n, pooled[base].n) // 4 // 2 for cell, base in testable.items()}
+    for cell in [c for c, h in half_m.items() if h < 1]:
+        notes.append(f"{cell[0]}, gamma={cell[1]:g}: too few pooled samples per problem for the test "
+                     f"(n={min(pooled[cell].n, pooled[pairs[cell]].n)}; m = n // 4 must be >= 2) ({NO_VALUE})")
+        del testable[cell]
+    limit = min([largest_k, *(half_m[cell] for cell in testable)])
+    big_k = 1 << (limit.bit_length() - 1)  # the largest power of two <= limit
+    ks = sorted({1, big_k})
+    header = [f"Δpass@{k} vs γ=0" for k in ks]
+    results = {}
+    for cell, base in testable.items():
+        try:
+            correct_a, correct_b = aligned_counts(pooled[cell], pooled[base])
+        except CompareError as error:
+            notes.append(f"{cell[0]}, gamma={cell[1]:g} versus gamma=0: {error} ({NO_VALUE})")
+            continue
+        comparisons = paired_test(correct_a, correct_b, pooled[cell].n, pooled[base].n, ks=ks,
+                                  iterations=iterations, alpha=alpha, seed=seed)
+        results[cell] = [f"{100 * c.difference:+.1f} (p={_p_text(c.p_value)})"
+                         for c in comparisons if c.dataset == AVERAGE]
+    row_cells = {}
+    for cell in cells:
+        if cell[1] == 0:
+            row_cells[cell] = ["ref"] * len(ks)
+        else:
+            row_cells[cell] = results.get(cell, [NO_VALUE] * len(ks))
+    if big_k < largest_k and testable:
+        notes.append(f"pass@{largest_k} is not tested: the test needs k <= m/2 = n/8 of the pooled samples "
+                     f"(pass@{largest_k} needs {8 * largest_k} samples per problem per cell, i.e. more seeds); "
+                     f"pass@{big_k} is the largest k tested")
+    return Significance(header, row_cells, notes)
+
+
+def significance_note(significance: Significance | None, iterations: int) -> list[str]:
+    """The lines under the table that say how the significance columns were made (or why they are absent)."""
+    if significance is None:
+        return [f"No significance columns: no run of this sweep wrote {COUNTS_FILE} (per-problem counts; runs "
+                "from before they were written have none)."]
+    return [f"Δ: difference to the gamma=0 row of the same algo in percentage points, on the mean over the eval sets, "
+            f"from the per-problem counts ({COUNTS_FILE}) of each run's final evaluation; seeds pooled per problem "
+            "(their samples concatenated: n = sum of n, c = sum of c, so Δ at k > 1 can differ slightly from the "
+            f"difference of the mean-over-seeds columns). p: two-sided paired m-out-of-n subsampling test "
+            f"(fgrpo.compare; m = n // 4 of the pooled n, {iterations} iterations, seed 0), significant at "
+            f"p < {DEFAULT_ALPHA:g}.", *significance.notes]
+
+
+def build_table(runs: list[Run], significance: Significance | None = None) -> tuple[list[str], list[list[str]], int]:
+    """Header, rows (strings) and the largest k. The best mean per column is marked with '*'. With ``significance``,
+    its columns follow the pass@k columns."""
     completed = [r for r in runs if r.status == "completed"]
     if not completed:
         raise ReportError("every run of this sweep failed; see the log paths above")
@@ -233,7 +348,11 @@ def build_table(runs: list[Run]) -> tuple[list[str], list[list[str]], int]:
         for i, (mean, std) in enumerate(stats[(algo, gamma)]):
             mark = "*" if math.isclose(mean, best[i]) else " "
             row.append(f"{100 * mean:5.1f} +- {100 * std:4.1f}{mark}")
+        if significance is not None:
+            row += significance.cells[(algo, gamma)]
         rows.append(row)
+    if significance is not None:
+        header += significance.header
     return header, rows, k
 
 
@@ -268,13 +387,18 @@ def plot_curves(runs: list[Run], path: Path) -> None:
     plot_pass_at_k_panels(panels, path, ylabel="final pass@k")
 
 
-def report(sweep_dir: Path, out_dir: Path | None = None) -> str:
+def report(sweep_dir: Path, out_dir: Path | None = None, *,
+           significance_iterations: int = SIGNIFICANCE_ITERATIONS) -> str:
     """Build the table, write report.md and report.png; return the text that is printed."""
     runs = find_runs(Path(sweep_dir))
     failed = [r for r in runs if r.status == "failed"]
     missing = find_missing_jobs(Path(sweep_dir), runs)
     check_same_config(runs)
-    header, rows, k = build_table(runs)
+    completed = [r for r in runs if r.status == "completed"]
+    significance = (significance_columns(runs, _largest_k(completed), iterations=significance_iterations)
+                    if completed else None)
+    header, rows, k = build_table(runs, significance)
+    sig_notes = significance_note(significance, significance_iterations)
     out_dir = Path(out_dir or sweep_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     failed_lines = [f"FAILED: {r.path} (algo={r.algo}, gamma={r.gamma:g}, seed={r.config.get('seed')}); log: {r.log_path}"
@@ -286,11 +410,12 @@ def report(sweep_dir: Path, out_dir: Path | None = None) -> str:
     note = f"{len(runs) - len(failed)} completed runs, {len(failed) + len(missing)} failed. Final pass@1 and pass@{k} in %, mean +- std over seeds; * = best in column."
     (out_dir / "report.md").write_text(
         f"# Sweep report: {sweep_dir}\n\n{note}\n\n{format_markdown(header, rows)}\n"
+        + "\n" + "\n".join(f"{line}\n" for line in sig_notes)
         + ("\n" + "\n".join(f"- {line}" for line in failed_lines) + "\n" if failed_lines else "")
         + "\n![pass@k curves](report.png)\n"
     )
     plot_curves(runs, out_dir / "report.png")
-    text = "\n".join([format_text(header, rows), "", note, *failed_lines,
+    text = "\n".join([format_text(header, rows), "", note, *sig_notes, *failed_lines,
                       f"wrote {out_dir / 'report.md'} and {out_dir / 'report.png'}"])
     return text
 
@@ -299,9 +424,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fgrpo.report", description=__doc__.split("\n")[0])
     parser.add_argument("sweep_dir", type=Path, help="a sweep directory, e.g. outputs/multirun/<date>/<time>")
     parser.add_argument("--out", type=Path, default=None, help="where to write report.md and report.png")
+    parser.add_argument("--significance-iterations", type=int, default=SIGNIFICANCE_ITERATIONS,
+                        help="iterations of the paired subsampling test per compared row (the paper: 50000)")
     args = parser.parse_args(argv)
+    if args.significance_iterations < 1:
+        parser.error(f"--significance-iterations must be >= 1, got {args.significance_iterations}")
     try:
-        print(report(args.sweep_dir, args.out))
+        print(report(args.sweep_dir, args.out, significance_iterations=args.significance_iterations))
     except ReportError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

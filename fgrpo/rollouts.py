@@ -14,6 +14,7 @@ from fgrpo.data import Problem
 from fgrpo.distributed import SINGLE, Ranks, gather_objects, sum_over_ranks
 from fgrpo.packing import Sequence
 from fgrpo.samplers import Completion
+from fgrpo.verifier import verify_batch
 
 
 class ProblemStream:
@@ -83,12 +84,15 @@ def prompt_seeds(seed: int, count: int) -> list[int]:
 def sample_groups(sampler, problems: list[Problem], prompt_ids: dict[str, list[int]], verifier, *, group_size: int,
                   max_new_tokens: int, temperature: float, top_p: float, seed: int | list[int]) -> Groups:
     """``group_size`` completions per problem, each verified against the problem's answer. ``seed``: the draw's, or
-    one per problem (:func:`prompt_seeds`)."""
+    one per problem (:func:`prompt_seeds`). All the draw's answers go to the verifier in one
+    :func:`~fgrpo.verifier.verify_batch` call, so a verifier pool spreads them over its workers."""
     completions = sampler.generate([prompt_ids[p.id] for p in problems], group_size, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, seed=seed)
     start = time.perf_counter()
-    correct = torch.tensor([[verifier(c.text, p.answer) for c in group] for p, group in zip(problems, completions)],
-                           dtype=torch.float32)
+    texts = [c.text for group in completions for c in group]
+    answers = [p.answer for p, group in zip(problems, completions) for _ in group]
+    rewards = iter(verify_batch(verifier, texts, answers))
+    correct = torch.tensor([[next(rewards) for _ in group] for group in completions], dtype=torch.float32)
     return Groups(problems, completions, correct, time.perf_counter() - start)
 
 

@@ -419,24 +419,25 @@ class Tracker:
             raise ValueError(f"metric key {key!r} starts with '_', which W&B reserves for its own keys")
 
 
-def supersede_rows_after(metrics_path: Path, last_step: int) -> int:
-    """Keep in ``metrics_path`` the rows up to ``last_step``; move later ones (and a half-written last line) to
-    metrics_superseded.jsonl beside it, so nothing logged is lost. The file is replaced atomically. Returns how
-    many rows moved."""
-    if not metrics_path.exists():
+def supersede_rows_after(path: Path, last_step: int) -> int:
+    """Keep in the jsonl file ``path`` (metrics.jsonl, eval_counts.jsonl) the rows up to ``last_step``; move later
+    ones (and a half-written last line) to ``<stem>_superseded.jsonl`` beside it (metrics_superseded.jsonl), so
+    nothing logged is lost. The file is replaced atomically. Returns how many rows moved."""
+    if not path.exists():
         return 0
     kept, moved = [], []
-    for line in metrics_path.read_text(encoding="utf-8").splitlines(keepends=True):
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
         try:
             row_step = json.loads(line)["step"] if line.endswith("\n") else None
         except (ValueError, KeyError, TypeError):
             row_step = None
         (kept if row_step is not None and row_step <= last_step else moved).append(line)
     if moved:
-        with open(metrics_path.with_name(SUPERSEDED_FILE), "a", encoding="utf-8") as superseded:
+        superseded_path = path.with_name(f"{path.stem}_superseded.jsonl")
+        with open(superseded_path, "a", encoding="utf-8") as superseded:
             superseded.writelines(line if line.endswith("\n") else line + "\n" for line in moved)
-        write_text_atomic(metrics_path, "".join(kept))
-        logger.info("%s: %d rows after step %d moved to %s", metrics_path, len(moved), last_step, SUPERSEDED_FILE)
+        write_text_atomic(path, "".join(kept))
+        logger.info("%s: %d rows after step %d moved to %s", path, len(moved), last_step, superseded_path.name)
     return len(moved)
 
 
@@ -501,19 +502,28 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
-    lines = path.read_text(encoding="utf-8").splitlines()
+    return [{key: _nulls_to_nan(value) for key, value in row.items()} for _, row in read_jsonl(path)]
+
+
+def read_jsonl(path: Path) -> list[tuple[int, Any]]:
+    """``(line number, parsed value)`` of each non-blank line of a JSON-lines file that this project appends to
+    (metrics.jsonl, eval_counts.jsonl). A last line that does not parse is skipped: a crash cut it short.
+
+    Raises:
+        ValueError: a line other than the last is not valid JSON (the file is corrupt).
+    """
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
     rows = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            rows.append((number, json.loads(line)))
         except json.JSONDecodeError as error:
             if number == len(lines):
                 logger.debug("skipping truncated last line %d of %s", number, path)
                 break
             raise ValueError(f"{path}:{number} is not valid JSON ({error}); the file is corrupt") from error
-        rows.append({key: _nulls_to_nan(value) for key, value in row.items()})
     return rows
 
 

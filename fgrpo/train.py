@@ -22,13 +22,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fgrpo import checkpoint, distributed
+from fgrpo import checkpoint, distributed, rare_nll
 from fgrpo.advantages import focal_group_advantages, focal_weight, success_rate
 from fgrpo.compiled_layers import auto_kept_matmul_gib, require_cpp_compiler
 from fgrpo.config import ConfigError, experiment_differences, to_container, validate, validate_layout
 from fgrpo.distributed import SINGLE, Ranks
 from fgrpo.data import Problem, arithmetic_problems, build_prompt, load_problems
-from fgrpo.evaluation import evaluate
+from fgrpo.evaluation import COUNTS_FILE, append_counts, evaluate
 from fgrpo.learner import Learner, LearnerSettings
 from fgrpo.losses import LossSettings
 from fgrpo.gpu_memory import check_learner_fits_gpus
@@ -38,8 +38,8 @@ from fgrpo.process_memory import bound_kernel_caches, keep_freed_memory
 from fgrpo.rollouts import Groups, ProblemStream, collect_groups, learner_sequences, overlong_penalties, sample_groups
 from fgrpo.samplers import HFSampler, Sampler, VLLMSampler, check_vllm_dtype, require_vllm
 from fgrpo.plots import plot_pass_at_k
-from fgrpo.tracking import NoTracker, Tracker
-from fgrpo.verifier import make_verifier
+from fgrpo.tracking import NoTracker, Tracker, supersede_rows_after
+from fgrpo.verifier import close_verifier, make_verifier
 
 log = logging.getLogger("fgrpo")
 
@@ -78,11 +78,18 @@ def train(
                              max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                              top_p=sampling.top_p, seed=seeds)
 
-    def evaluate_now():
-        return evaluate(sampler, run.data.eval, run.prompt_ids, run.verifier, n_samples=cfg.eval.n_samples,
-                        max_problems=cfg.eval.max_problems, max_new_tokens=sampling.max_new_tokens,
-                        temperature=sampling.temperature, top_p=sampling.top_p, seed=cfg.seed + 1_000_003,
-                        ranks=ranks)
+    def evaluate_now(step: int):
+        """pass@k metrics and curve of the model after ``step``; its per-problem counts go to eval_counts.jsonl."""
+        metrics, curve, count_rows = evaluate(
+            sampler, run.data.eval, run.prompt_ids, run.verifier, n_samples=cfg.eval.n_samples,
+            max_problems=cfg.eval.max_problems, max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature, top_p=sampling.top_p, seed=cfg.seed + EVAL_SEED_OFFSET, ranks=ranks)
+        if ranks.main:
+            append_counts(run_dir, step, count_rows)
+        if run.rare_set is not None:  # the paper's Delta NLL_rare: is what the base model found rarely forgotten?
+            metrics.update({f"eval/{key}": value
+                            for key, value in rare_nll.score(learner.policy, run.rare_set, pad_id=run.tokenizer.pad_token_id).items()})
+        return metrics, curve
 
     def save(step: int) -> None:
         state = checkpoint.TrainerState(
@@ -100,8 +107,10 @@ def train(
     with make_tracker(cfg, run_dir, run_name, overrides, run.precision, ranks, resumed) as tracker, \
             _remembering_interrupts() as interrupted, \
             _stop_requests(cfg.hardware.slurm_signal_delay_s - STOP_MARGIN_S) as stop_requests:
+        if ranks.main:  # counts of steps after the checkpoint (or of an attempt that saved none) are redone
+            supersede_rows_after(run_dir / COUNTS_FILE, resumed.state.step if resumed else -1)
         if resumed is None:
-            eval_metrics, curve = evaluate_now()
+            eval_metrics, curve = evaluate_now(0)
             curves = {"before training": curve}
             tracker.log(eval_metrics, step=0)
             before, first_step, last_eval_step = eval_metrics, 1, 0
@@ -111,7 +120,7 @@ def train(
             last_eval_step = state.last_eval_step
             if first_step > cfg.trainer.steps and last_eval_step != state.step:
                 # nothing left to train (trainer.steps lowered to the checkpoint's): the final numbers are its own
-                eval_metrics, curves["after training"] = evaluate_now()
+                eval_metrics, curves["after training"] = evaluate_now(state.step)
                 tracker.log(eval_metrics, step=state.step)
                 last_eval_step = state.step
             checkpoint.restore_rng(resumed.rng)  # last: nothing between the save and the next step draws
@@ -151,7 +160,7 @@ def train(
             tracker.log(metrics, step=step)
             progress.set_postfix(reward=f"{metrics.get('train/correct_mean', float('nan')):.3f}")
             if step == cfg.trainer.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-                eval_metrics, curves["after training"] = evaluate_now()
+                eval_metrics, curves["after training"] = evaluate_now(step)
                 last_eval_step = step
                 tracker.log(eval_metrics, step=step)
                 if ranks.main:
@@ -170,6 +179,7 @@ def train(
             final = finish(cfg, run_dir, tracker, learner, run.tokenizer, curves, before, eval_metrics, ranks)
     if stopped_at is not None:
         exit_code, failure = hand_over_stop(stopped_at, run_dir, stop_requests)
+    close_verifier(run.verifier)
     sampler.close()  # vLLM's shutdown takes the process group down with it: last
     distributed.close()
     if stopped_at is not None:
@@ -190,6 +200,7 @@ class Run:
     tokenizer: object
     prompt_ids: dict[str, list[int]]
     precision: Precision
+    rare_set: rare_nll.RareSet | None = None  # eval.rare_set, scored at each evaluation
 
 
 def prepare(cfg: DictConfig, saved_config: Path | None = None, ranks: Ranks = SINGLE) -> Run:
@@ -210,7 +221,15 @@ def prepare(cfg: DictConfig, saved_config: Path | None = None, ranks: Ranks = SI
         torch.set_num_threads(hw.threads or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     precision = settle_hardware(cfg, saved_config, ranks)
     tokenizer, prompt_ids = distributed.agree(lambda: _encode_prompts(cfg, folder, data))
-    return Run(data, verifier, folder, tokenizer, prompt_ids, precision)
+    rare_set = distributed.agree(lambda: _load_rare_set(cfg.eval.rare_set)) if cfg.eval.rare_set else None
+    return Run(data, verifier, folder, tokenizer, prompt_ids, precision, rare_set)
+
+
+def _load_rare_set(path: str) -> rare_nll.RareSet:
+    try:
+        return rare_nll.load_rare_set(path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"eval.rare_set={path}: {error}") from error
 
 
 def _check_inputs(cfg: DictConfig, world: int) -> tuple[Data, object, Path]:
@@ -219,7 +238,8 @@ def _check_inputs(cfg: DictConfig, world: int) -> tuple[Data, object, Path]:
     validate(cfg)
     validate_layout(cfg, world)
     data = load_data(cfg.dataset)
-    verifier = make_verifier(cfg.dataset.verifier, timeout_s=cfg.dataset.verifier_timeout_s)
+    verifier = make_verifier(cfg.dataset.verifier, timeout_s=cfg.dataset.verifier_timeout_s,
+                             workers=cfg.dataset.verifier_workers)
     hw = cfg.hardware
     if cfg.sampler.name == "vllm":
         require_vllm()
@@ -319,6 +339,8 @@ def make_sampler(cfg: DictConfig, folder: Path, policy, tokenizer, ranks: Ranks 
     return HFSampler(policy, tokenizer, batch_size=cfg.sampler.hf_batch_size, autocast_dtype=cfg.hardware.autocast_dtype)
 
 
+# evaluations draw from their own seed (cfg.seed + this), apart from the training steps' (fgrpo.evaluate uses it too)
+EVAL_SEED_OFFSET = 1_000_003
 # the exit code of a run that stopped on SIGUSR2 outside submitit: EX_TEMPFAIL, "try again" (it resumes)
 STOPPED_EXIT_CODE = 75
 # of the time between Slurm's SIGUSR2 and its time limit, what the requeue needs after the save (submitit's calls)

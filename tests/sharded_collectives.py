@@ -54,7 +54,7 @@ def main(out_prefix: str) -> None:
 
     eval_set = [Problem(f"e{i}", f"q{i}", "1", "toy") for i in range(5)]
     prompt_ids = {p.id: [i] for i, p in enumerate(eval_set)}
-    metrics, _ = evaluate(CountingSampler(), {"toy": eval_set}, prompt_ids, lambda text, answer: text == answer,
+    metrics, _, _ = evaluate(CountingSampler(), {"toy": eval_set}, prompt_ids, lambda text, answer: text == answer,
                           n_samples=4, max_problems=5, max_new_tokens=1, temperature=1.0, top_p=1.0, seed=0,
                           ranks=ranks)
     seen["pass@1"] = metrics["eval/pass@1"]

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -180,3 +181,132 @@ def test_cli_exit_code_and_no_traceback(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "pass@4" in result.stdout and f"wrote {tmp_path / 'report.md'}" in result.stdout
+
+
+# ---------------------------------------------------------------- significance columns (eval_counts.jsonl)
+
+COUNTS_N = 16
+PROBLEMS = 20
+
+
+def sweep_counts(seed: int = 0) -> dict:
+    """{(algo, gamma, run seed): {dataset: [PROBLEMS] correct of COUNTS_N}}: grpo gamma=1 solves far more than
+    grpo gamma=0; cispo gamma=1 has exactly cispo gamma=0's counts."""
+    rng = np.random.default_rng(seed)
+    rates = {dataset: rng.random(PROBLEMS) for dataset in ("arithmetic", "logic")}
+    counts = {}
+    for run_seed in (0, 1):
+        for algo, gamma, lift in (("grpo", 0.0, 0.0), ("grpo", 1.0, 0.3), ("cispo", 0.0, 0.0)):
+            counts[(algo, gamma, run_seed)] = {d: rng.binomial(COUNTS_N, np.clip(r + lift, 0, 1))
+                                               for d, r in rates.items()}
+        counts[("cispo", 1.0, run_seed)] = counts[("cispo", 0.0, run_seed)]
+    return counts
+
+
+def write_counts(run_dir: Path, counts: dict) -> None:
+    rows = [{"step": 0, "dataset": d, "problem": f"{d}/{i}", "n": COUNTS_N, "c": 0}  # an earlier evaluation
+            for d, cs in counts.items() for i in range(len(cs))]
+    rows += [{"step": STEPS, "dataset": d, "problem": f"{d}/{i}", "n": COUNTS_N, "c": int(c)}
+             for d, cs in counts.items() for i, c in enumerate(cs)]
+    (run_dir / "eval_counts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def write_sweep_with_counts(root: Path) -> dict:
+    write_sweep(root)
+    counts = sweep_counts()
+    for run_dir in root.iterdir():
+        config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+        write_counts(run_dir, counts[(config["algo"]["name"], config["focal"]["gamma"], config["seed"])])
+    return counts
+
+
+def significance_cells(text: str) -> dict:
+    """{(algo, gamma): [cells after the pass@k columns]} from the printed table."""
+    cells = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0] in ("grpo", "cispo", "dapo"):
+            tail = re.split(r"\d+\.\d \+- +\d+\.\d\*?", line)[-1]
+            cells[(parts[0], float(parts[1]))] = re.findall(r"[+-]\d+\.\d \(p=[^)]+\)|ref|—", tail)
+    return cells
+
+
+def expected_pass_at_1_delta(counts: dict, algo: str) -> float:
+    """Pooled over seeds per problem: (sum of c) / (sum of n), averaged over problems, then over the datasets."""
+    def pooled(gamma):
+        return np.mean([np.mean((counts[(algo, gamma, 0)][d] + counts[(algo, gamma, 1)][d]) / (2 * COUNTS_N))
+                        for d in ("arithmetic", "logic")])
+    return pooled(1.0) - pooled(0.0)
+
+
+def test_significance_columns_against_gamma_0(tmp_path):
+    counts = write_sweep_with_counts(tmp_path)
+    text = report(tmp_path)
+    header = text.splitlines()[0]
+    assert header.split()[:5] == ["algo", "gamma", "seeds", "pass@1", "pass@4"]
+    assert "Δpass@1 vs γ=0" in header and "Δpass@4 vs γ=0" in header  # pooled n=32, m=8: k <= m/2 = 4
+    cells = significance_cells(text)
+    assert cells[("grpo", 0.0)] == cells[("cispo", 0.0)] == ["ref", "ref"]
+    grpo = cells[("grpo", 1.0)]
+    assert grpo[0].startswith(f"{100 * expected_pass_at_1_delta(counts, 'grpo'):+.1f} (p=")
+    assert float(re.search(r"p=([^)]+)", grpo[0]).group(1)) < 0.001
+    assert cells[("cispo", 1.0)] == ["+0.0 (p=1.000)", "+0.0 (p=1.000)"]
+    assert table_rows(text)[("grpo", 1.0)] == (2, "50.0 +- 14.1*", "60.0 +-  0.0")  # the old columns unchanged
+    md = (tmp_path / "report.md").read_text()
+    assert "| algo | gamma | seeds | pass@1 | pass@4 | Δpass@1 vs γ=0 | Δpass@4 vs γ=0 |" in md
+    assert "| cispo | 1 | 2 | 40.0 +- 14.1 | 70.0 +-  0.0 | +0.0 (p=1.000) | +0.0 (p=1.000) |" in md
+    assert "seeds pooled per problem" in md and "n = sum of n, c = sum of c" in md and "10000 iterations" in md
+    assert report(tmp_path) == text  # the test is seeded: the same p-values each time
+
+
+def test_significance_with_runs_without_counts(tmp_path):
+    write_sweep_with_counts(tmp_path)
+    old_run = next(p for p in tmp_path.iterdir() if p.name.startswith("6_"))  # cispo gamma=1, seed 0
+    (old_run / "eval_counts.jsonl").unlink()
+    text = report(tmp_path)
+    cells = significance_cells(text)
+    assert cells[("cispo", 1.0)] == ["—", "—"] and cells[("grpo", 1.0)][0].startswith("+")
+    assert "cispo, gamma=1: 1 of its runs wrote no eval_counts.jsonl" in text
+    assert "cispo, gamma=1: 1 of its runs wrote no eval_counts.jsonl" in (tmp_path / "report.md").read_text()
+
+
+def test_no_counts_at_all_leaves_the_columns_out(tmp_path):
+    write_sweep(tmp_path)
+    text = report(tmp_path)
+    assert text.splitlines()[0].split() == ["algo", "gamma", "seeds", "pass@1", "pass@4"]
+    assert "No significance columns: no run of this sweep wrote eval_counts.jsonl" in text
+    assert "No significance columns" in (tmp_path / "report.md").read_text()
+
+
+def test_one_seed_per_cell_tests_a_smaller_k_and_says_so(tmp_path):
+    counts = sweep_counts()
+    for num, (algo, gamma) in enumerate([("grpo", 0.0), ("grpo", 1.0)]):
+        run_dir = write_run(tmp_path / str(num), algo, gamma, 0, 0.2, 0.5, job_num=num)
+        write_counts(run_dir, counts[(algo, gamma, 0)])
+    text = report(tmp_path)
+    assert "Δpass@2 vs γ=0" in text.splitlines()[0]  # n=16, m=4: k <= 2
+    assert "pass@4 is not tested" in text and "pass@2 is the largest k tested" in text
+
+
+def test_significance_mismatched_problems_and_missing_baseline(tmp_path):
+    counts = sweep_counts()
+    run_dirs = {}
+    for num, (algo, gamma) in enumerate([("grpo", 0.0), ("grpo", 1.0), ("dapo", 1.0)]):
+        run_dirs[(algo, gamma)] = write_run(tmp_path / str(num), algo, gamma, 0, 0.2, 0.5, job_num=num)
+        write_counts(run_dirs[(algo, gamma)], counts[("grpo", gamma, 0)])
+    fewer = {d: cs[:-2] for d, cs in counts[("grpo", 1.0, 0)].items()}
+    write_counts(run_dirs[("grpo", 1.0)], fewer)
+    text = report(tmp_path)
+    cells = significance_cells(text)
+    assert cells[("grpo", 1.0)] == cells[("dapo", 1.0)] == ["—", "—"]
+    assert "grpo, gamma=1 versus gamma=0: dataset 'arithmetic': the problems differ" in text
+    assert "dapo, gamma=1: no gamma=0 run of dapo to compare with" in text
+
+
+def test_significance_iterations_flag(tmp_path, capsys):
+    write_sweep_with_counts(tmp_path)
+    assert main([str(tmp_path), "--significance-iterations", "200"]) == 0
+    assert "200 iterations" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path), "--significance-iterations", "0"])
+    assert exit_info.value.code == 2 and "--significance-iterations must be >= 1" in capsys.readouterr().err

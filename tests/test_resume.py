@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fgrpo import checkpoint
+from fgrpo.evaluation import COUNTS_FILE
 from fgrpo.tracking import SUPERSEDED_FILE, read_metrics
 from test_sweep import LAUNCH_ENV, SLURM, sacct_states
 from wandb_files import read_wandb_run
@@ -133,6 +134,8 @@ def test_a_run_killed_in_step_4_and_run_again_ends_bitwise_as_one_never_stopped(
     # step 3 (and its evaluation, if the kill came after it), logged before the kill and redone: kept aside
     superseded = read_metrics(run_dir / SUPERSEDED_FILE)
     assert {r["step"] for r in superseded} == {3} and any("train/loss" in r for r in superseded)
+    # the per-problem evaluation counts: each evaluation once, as in the run that never stopped
+    assert (run_dir / COUNTS_FILE).read_text() == (uninterrupted / COUNTS_FILE).read_text()
     # one W&B run, continued: the second attempt's file has the first one's id and the steps from 3 on
     files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 2 and files[0].name == files[1].name

@@ -122,6 +122,11 @@ def test_torchrun_trains_on_two_ranks_and_rank_0_writes_once(tmp_path, sampler):
     assert all(row["train/groups"] == 4 and len(row["train/success_rate_hist"]) == 4 for row in steps)
     assert all(math.isfinite(row["train/grad_norm"]) and row["train/grad_norm"] > 0 for row in steps)
     assert len([row for row in rows if "eval/pass@1" in row]) == 2  # before and after
+    # the per-problem counts of both evaluations, every problem once per evaluation (rank 0 writes the gathered counts)
+    counts = [json.loads(line) for line in (run_dirs[0] / "eval_counts.jsonl").read_text().splitlines()]
+    assert sorted({row["step"] for row in counts}) == [0, 2]
+    assert all(len([row for row in counts if row["step"] == step]) == len({row["problem"] for row in counts})
+               for step in (0, 2))
     assert len(list(run_dirs[0].glob("wandb/offline-run-*/run-*.wandb"))) == 1
     assert (run_dirs[0] / "pass_at_k.png").is_file()
     log_lines = (run_dirs[0] / "run.log").read_text().splitlines()
