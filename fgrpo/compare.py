@@ -42,15 +42,14 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from fgrpo.metrics import default_ks
-from fgrpo.tracking import read_jsonl
+from fgrpo.tracking import COUNTS_FILE, read_jsonl
 
 __all__ = [
-    "AVERAGE", "COUNTS_FILE", "DEFAULT_ALPHA", "DEFAULT_ITERATIONS", "CompareError", "Comparison", "EvalCounts",
+    "AVERAGE", "COUNTS_FILE", "DEFAULT_ALPHA", "DEFAULT_ITERATIONS", "CompareError", "Comparison", "EvalCounts", "p_value_text",
     "pass_at_k_table", "hypergeometric_cdf", "table_rows", "subsample_pass_at_k", "rescale_factor", "summarize_draws",
     "paired_test", "load_counts", "pool_counts", "aligned_counts", "compare", "format_markdown", "format_text", "main",
 ]
 
-COUNTS_FILE = "eval_counts.jsonl"  # the name fgrpo.evaluation writes (not imported: it pulls in the sampler stack)
 AVERAGE = "(average)"  # the dataset name of the rows averaged over datasets
 DEFAULT_ITERATIONS = 50_000
 DEFAULT_ALPHA = 0.05
@@ -369,12 +368,11 @@ def load_counts(path: str | Path, step: int | None = None) -> EvalCounts:
     if chosen not in steps:
         present = ", ".join("null" if s is None else str(s) for s in sorted(steps, key=lambda s: (s is None, s or 0)))
         raise CompareError(f"step {step} is not in {file}; steps present: {present} (choose one with --step)")
+    kept = {(str(row["dataset"]), str(row["problem"])): row for row in rows if row["step"] == chosen}  # last row wins
     correct: dict[str, dict[str, int]] = {}
-    ns = set()
-    for row in rows:
-        if row["step"] == chosen:
-            correct.setdefault(str(row["dataset"]), {})[str(row["problem"])] = row["c"]
-            ns.add(row["n"])
+    for (dataset, problem), row in kept.items():
+        correct.setdefault(dataset, {})[problem] = row["c"]
+    ns = {row["n"] for row in kept.values()}
     if len(ns) > 1:
         raise CompareError(f"{file}, step {chosen}: n varies across problems ({sorted(ns)}); the paired test needs "
                            "one number of samples per problem (evaluate again with one eval.n_samples)")
@@ -460,14 +458,14 @@ CLOSE_TO_M_NOTE = ("† k > m/2: pass@k of an m-sample subset is close to an 'an
                    "is solved by both (then far too small): see docs/evaluation.md.")
 
 
-def _p_text(p: float) -> str:
+def p_value_text(p: float) -> str:
     return f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
 
 
 def table_rows(comparisons: Sequence[Comparison]) -> list[list[str]]:
     """The rows of the table: pass@k in %, differences in percentage points, † on k > m/2."""
     return [[c.dataset, str(c.k), f"{100 * c.pass_a:.2f}", f"{100 * c.pass_b:.2f}", f"{100 * c.difference:+.2f}",
-             f"[{100 * c.ci_low:+.2f}, {100 * c.ci_high:+.2f}]", _p_text(c.p_value) + ("†" if c.k_close_to_m else ""),
+             f"[{100 * c.ci_low:+.2f}, {100 * c.ci_high:+.2f}]", p_value_text(c.p_value) + ("†" if c.k_close_to_m else ""),
              "yes" if c.significant else "no"]
             for c in comparisons]
 

@@ -64,7 +64,14 @@ def locate_model(spec: str | None) -> ModelSource:
     if not path.is_dir():
         raise ConfigError(f"eval.model={spec} is a file: pass a folder (a run directory, a checkpoint or an HF model)")
     if (path / checkpoint.TRAINER_FILE).is_file():  # RUN/checkpoints/step_N
-        state = checkpoint.read_trainer_state(path)
+        if path.parent.name != checkpoint.CHECKPOINTS:
+            raise ConfigError(f"eval.model={spec}: a checkpoint is read from its run directory, as "
+                              f"RUN/{checkpoint.CHECKPOINTS}/step_N; this one is not in a {checkpoint.CHECKPOINTS}/ folder")
+        try:
+            state = checkpoint.read_trainer_state(path)
+        except Exception as error:  # noqa: BLE001 - any unreadable file: the same answer
+            raise ConfigError(f"eval.model={spec}: the checkpoint's {checkpoint.TRAINER_FILE} does not read ({error}); "
+                              "pass another checkpoint or the run directory (its newest readable one)") from error
         return ModelSource("checkpoint", str(path), state.step, state.config.get("model"))
     run_config = _saved_run_config(path) or _saved_run_config(path.parent)
     if (path / "config.json").is_file():  # an HF folder: a run's final_model, an export, a download
@@ -72,9 +79,9 @@ def locate_model(spec: str | None) -> ModelSource:
         return ModelSource("hf folder", str(path), step, run_config["model"] if run_config and step is not None else None)
     if (path / FINAL_MODEL / "config.json").is_file():
         return locate_model(str(path / FINAL_MODEL))
-    candidates = checkpoint.resume_candidates(path)
-    if candidates:
-        return locate_model(str(candidates[0]))
+    readable = checkpoint.newest_readable(path)
+    if readable is not None:
+        return locate_model(str(readable[0]))
     if run_config is not None:
         raise ConfigError(f"eval.model={spec} is a run directory with neither {FINAL_MODEL}/ (trainer.save_final) nor a "
                           "checkpoint (trainer.checkpoint_every): nothing to evaluate")
@@ -115,7 +122,7 @@ def model_folder(source: ModelSource, cfg: DictConfig, out_dir: Path) -> Path:
     return Path(source.location)
 
 
-def pass_at_k_table(metrics: dict[str, float], dataset_names: list[str], n_samples: int, problems: dict[str, int]) -> str:
+def pass_at_k_markdown(metrics: dict[str, float], dataset_names: list[str], n_samples: int, problems: dict[str, int]) -> str:
     """The markdown table of pass@k with its 95% bootstrap interval (over problems), per set and averaged."""
     from fgrpo.metrics import default_ks
 
@@ -175,7 +182,7 @@ def evaluate_model(cfg: DictConfig, out_dir: Path, *, run_name: str | None = Non
                 temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p, seed=cfg.seed + EVAL_SEED_OFFSET)
             append_counts(out_dir, source.step, count_rows)
             problems = {name: min(len(p), cfg.eval.max_problems) for name, p in data.eval.items()}
-            (out_dir / "pass_at_k.md").write_text(pass_at_k_table(metrics, list(data.eval), cfg.eval.n_samples, problems))
+            (out_dir / "pass_at_k.md").write_text(pass_at_k_markdown(metrics, list(data.eval), cfg.eval.n_samples, problems))
             label = f"{Path(source.location).name if source.location else cfg.model.name}"
             plot_pass_at_k({label: curve}, out_dir / "pass_at_k.png",
                            title=f"{label} | {cfg.dataset.name} | n={cfg.eval.n_samples}")

@@ -15,11 +15,11 @@ from fgrpo.data import Problem
 from fgrpo.metrics import pass_at_k_curve
 from fgrpo.distributed import SINGLE, Ranks, gather_objects
 from fgrpo.rollouts import prompt_seeds, sample_groups
+from fgrpo.tracking import COUNTS_FILE
 
 Curve = list[tuple[int, float, float, float]]  # (k, pass@k, ci_low, ci_high)
-COUNTS_FILE = "eval_counts.jsonl"
-"""One JSON row per problem per evaluation: ``{"step", "dataset", "problem", "n", "c"}`` (c of the n samples correct;
-step: the training step evaluated, null for a model evaluated on its own without one)."""
+# COUNTS_FILE: one JSON row per problem per evaluation, {"step", "dataset", "problem", "n", "c"} (c of the n samples
+# correct; step: the training step evaluated, null for a model evaluated on its own without one)
 
 
 def evaluate(sampler, eval_sets: dict[str, list[Problem]], prompt_ids: dict[str, list[int]], verifier, *,

@@ -15,7 +15,9 @@ writes ``rare_set.jsonl`` (one row per trajectory: problem, prompt_ids, completi
 both at every evaluation (``eval/rare_nll``, ``eval/rare_nll_delta``).
 
 NLL here is ``-mean_t log pi(y_t | x, y_<t)`` over a completion's tokens, at temperature 1 (the paper samples at
-1.0), with the matmuls in the weights' dtype (no autocast), so that scores of different runs compare.
+1.0), in fp32 for ``build`` and ``score`` (no autocast), so that scores of different runs compare. In training,
+``eval/rare_nll`` uses the learner's weights as they are (fp32 on CPU; bf16 weights on a GPU add their rounding,
+which ``eval/rare_nll_delta`` at step 0 shows).
 """
 
 from __future__ import annotations
@@ -37,10 +39,24 @@ log = logging.getLogger("fgrpo")
 
 SET_FILE = "rare_set.jsonl"
 META_FILE = "rare_set.json"
-SCORE_BATCH = 32  # sequences per no-grad forward
+SCORE_TOKENS = 16_384  # padded token slots per no-grad forward: long reasoning traces go a few at a time
 
 
-def length_normalised_nll(model, seqs: list[Sequence], *, pad_id: int, batch_size: int = SCORE_BATCH) -> np.ndarray:
+def token_budget_batches(seqs: list[Sequence], budget: int) -> list[list[Sequence]]:
+    """Consecutive batches whose padded size (count x longest prompt + completion) stays within ``budget`` token
+    slots; a sequence longer than the budget goes alone."""
+    batches, batch, longest = [], [], 0
+    for seq in seqs:
+        length = len(seq.prompt_ids) + len(seq.completion_ids)
+        if batch and (len(batch) + 1) * max(longest, length) > budget:
+            batches.append(batch)
+            batch, longest = [], 0
+        batch.append(seq)
+        longest = max(longest, length)
+    return batches + [batch] if batch else batches
+
+
+def length_normalised_nll(model, seqs: list[Sequence], *, pad_id: int, budget: int = SCORE_TOKENS) -> np.ndarray:
     """``[S]`` float64: each completion's mean token NLL under ``model`` at temperature 1, without gradients.
 
     Several ranks with a sharded model: every rank must pass the same ``seqs`` (each forward is collective).
@@ -54,8 +70,7 @@ def length_normalised_nll(model, seqs: list[Sequence], *, pad_id: int, batch_siz
     nll = []
     try:
         with torch.no_grad():
-            for start in range(0, len(seqs), batch_size):
-                batch = seqs[start:start + batch_size]
+            for batch in token_budget_batches(seqs, budget):
                 logp, mask, _ = completion_logprobs(model, batch, pad_id=pad_id, temperature=1.0)
                 token_counts = mask.sum(dim=1).double()
                 nll += (-(logp.double() * mask).sum(dim=1) / token_counts).tolist()
@@ -111,6 +126,15 @@ def load_rare_set(path: str | Path) -> RareSet:
                    np.array([r["base_nll"] for r in rows], dtype=np.float64), meta)
 
 
+def check_vocabulary(rare: RareSet, vocab_size: int) -> None:
+    """The set's token ids must be the model's: a set built with another tokenizer would score nonsense."""
+    largest = max(max(s.prompt_ids + s.completion_ids) for s in rare.seqs)
+    if largest >= vocab_size:
+        raise ValueError(f"the rare set holds token id {largest}, past this model's vocabulary of {vocab_size}: it was "
+                         f"built with another tokenizer (its model: {rare.meta.get('model', 'unknown')}); build one with "
+                         "this model's tokenizer")
+
+
 def score(model, rare: RareSet, *, pad_id: int) -> dict[str, float]:
     """``rare_nll``: the model's mean length-normalised NLL on the set; ``rare_nll_delta``: minus the base's."""
     mean = float(length_normalised_nll(model, rare.seqs, pad_id=pad_id).mean())
@@ -133,6 +157,9 @@ def build(cfg, out_dir: Path, *, prompts: int, samples: int, fraction: float, ch
     select_rarest(np.zeros(1), fraction)  # checks the fraction before the model loads
     validate(cfg)
     data = load_data(cfg.dataset)
+    if prompts > len(data.train):
+        raise ValueError(f"--prompts {prompts} is more than the {len(data.train)} training prompts of dataset="
+                         f"{cfg.dataset.name}: pass --prompts {len(data.train)} or fewer")
     verifier = make_verifier(cfg.dataset.verifier, timeout_s=cfg.dataset.verifier_timeout_s,
                              workers=cfg.dataset.verifier_workers)
     if cfg.sampler.name == "vllm":
@@ -165,13 +192,17 @@ def build(cfg, out_dir: Path, *, prompts: int, samples: int, fraction: float, ch
     if not seqs:
         raise ValueError(f"none of the {prompts} x {samples} base samples was correct: nothing to build a rare set "
                          "from; raise --samples or --prompts, or pick an easier dataset")
-    nll = length_normalised_nll(policy, seqs, pad_id=tokenizer.pad_token_id)
+    # scored in fp32 (as `score` does): the set's ranking and the base's NLL must not carry bf16 rounding
+    scorer = policy if cfg.hardware.learner_dtype == "float32" else load_policy(folder, dtype="float32",
+                                                                                device=cfg.hardware.device)
+    nll = length_normalised_nll(scorer, seqs, pad_id=tokenizer.pad_token_id)
     chosen = select_rarest(nll, fraction)
     meta = {"model": cfg.model.name, "model_folder": str(folder), "dataset": cfg.dataset.name, "prompts": prompts,
             "samples_per_prompt": samples, "fraction": fraction, "correct": len(seqs), "kept": len(chosen),
             "correct_rate": len(seqs) / (prompts * samples), "nll_threshold": float(nll[chosen].min()),
             "base_nll_mean_all_correct": float(nll.mean()), "base_nll_mean": float(nll[chosen].mean()),
-            "max_new_tokens": cfg.sampler.max_new_tokens, "seed": cfg.seed, "build_time_s": time.perf_counter() - start}
+            "max_new_tokens": cfg.sampler.max_new_tokens, "seed": cfg.seed, "nll_dtype": "float32",
+            "build_time_s": time.perf_counter() - start}
     rare = RareSet([kept_problems[i] for i in chosen], [seqs[i] for i in chosen], nll[chosen], meta)
     save_rare_set(out_dir, rare, [texts[i] for i in chosen])
     return rare
@@ -187,8 +218,9 @@ def _compose(overrides: list[str]):
         return compose(config_name="config", overrides=overrides)
 
 
-def score_model(set_path: Path, model_spec: str) -> dict[str, float]:
-    """``score``: the model that ``model_spec`` names (as fgrpo.evaluate's ``eval.model``) on the set."""
+def score_model(set_path: Path, model_spec: str, device: str = "cpu") -> dict[str, float]:
+    """``score``: the model that ``model_spec`` names (as fgrpo.evaluate's ``eval.model``) on the set, in fp32 on
+    ``device``."""
     import tempfile
 
     from fgrpo.evaluate import locate_model, model_folder
@@ -198,12 +230,15 @@ def score_model(set_path: Path, model_spec: str) -> dict[str, float]:
     source = locate_model(model_spec)
     with tempfile.TemporaryDirectory(prefix="fgrpo-rare-") as scratch:
         folder = model_folder(source, None, Path(scratch))
-        policy = load_policy(folder, dtype="float32", device="cpu")
-        result = score(policy, rare, pad_id=load_tokenizer(folder).pad_token_id)
+        tokenizer = load_tokenizer(folder)
+        check_vocabulary(rare, len(tokenizer))
+        policy = load_policy(folder, dtype="float32", device=device)
+        result = score(policy, rare, pad_id=tokenizer.pad_token_id)
     return {**result, "base_nll": rare.base_mean, "trajectories": len(rare.seqs)}
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fgrpo.checkpoint import CheckpointError
     from fgrpo.config import ConfigError
     from fgrpo.model import ModelSourceError
 
@@ -219,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     rate.add_argument("rare_set", type=Path, help="the folder build wrote (or its rare_set.jsonl)")
     rate.add_argument("model", help="a run directory, a checkpoint folder, an HF folder or a hub id")
     rate.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
+    rate.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs (fp32; default cpu)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -228,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rare set: {rare.meta['kept']} of {rare.meta['correct']} correct trajectories, base NLL "
                   f"{rare.base_mean:.4f} (threshold {rare.meta['nll_threshold']:.4f}), written to {args.out}")
             return 0
-        result = score_model(args.rare_set, args.model)
-    except (ValueError, ConfigError, ModelSourceError) as error:
+        result = score_model(args.rare_set, args.model, args.device)
+    except (ValueError, ConfigError, ModelSourceError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"rare NLL {result['rare_nll']:.4f} (base {result['base_nll']:.4f}, delta {result['rare_nll_delta']:+.4f}) "

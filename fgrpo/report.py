@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from fgrpo.compare import (AVERAGE, COUNTS_FILE, DEFAULT_ALPHA, CompareError, EvalCounts, aligned_counts,
-                           load_counts, paired_test, pool_counts)
+                           load_counts, paired_test, pool_counts, p_value_text)
 from fgrpo.plots import plot_pass_at_k_panels
 from fgrpo.tracking import read_metrics
 
@@ -243,10 +243,6 @@ def _pooled_cell_counts(cell_runs: list[Run]) -> EvalCounts:
     return pool_counts([load_counts(run.path, step=run.final.get("step")) for run in cell_runs])
 
 
-def _p_text(p: float) -> str:
-    return f"{p:.3f}" if p >= 1e-3 else f"{p:.0e}"
-
-
 def significance_columns(runs: list[Run], largest_k: int, *, iterations: int = SIGNIFICANCE_ITERATIONS,
                          alpha: float = DEFAULT_ALPHA, seed: int = 0) -> Significance | None:
     """Per row with gamma != 0: pass@k(row) - pass@k(gamma = 0 row of the same algo) at k = 1 and at the largest
@@ -297,7 +293,7 @@ def significance_columns(runs: list[Run], largest_k: int, *, iterations: int = S
             continue
         comparisons = paired_test(correct_a, correct_b, pooled[cell].n, pooled[base].n, ks=ks,
                                   iterations=iterations, alpha=alpha, seed=seed)
-        results[cell] = [f"{100 * c.difference:+.1f} (p={_p_text(c.p_value)})"
+        results[cell] = [f"{100 * c.difference:+.1f} (p={p_value_text(c.p_value)})"
                          for c in comparisons if c.dataset == AVERAGE]
     row_cells = {}
     for cell in cells:
@@ -322,7 +318,9 @@ def significance_note(significance: Significance | None, iterations: int) -> lis
             "(their samples concatenated: n = sum of n, c = sum of c, so Δ at k > 1 can differ slightly from the "
             f"difference of the mean-over-seeds columns). p: two-sided paired m-out-of-n subsampling test "
             f"(fgrpo.compare; m = n // 4 of the pooled n, {iterations} iterations, seed 0), significant at "
-            f"p < {DEFAULT_ALPHA:g}.", *significance.notes]
+            f"p < {DEFAULT_ALPHA:g}. The test sees the sampling noise of the pooled samples only, not how much "
+            "training itself varies from seed to seed: read it together with the +- std over seeds.",
+            *significance.notes]
 
 
 def build_table(runs: list[Run], significance: Significance | None = None) -> tuple[list[str], list[list[str]], int]:

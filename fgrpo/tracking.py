@@ -44,6 +44,7 @@ WANDB_MODES = ("offline", "online", "disabled", "shared", "dryrun", "run")
 """The modes wandb 0.31's ``wandb.Settings`` accepts; anything else is a config typo."""
 
 METRICS_FILE = "metrics.jsonl"
+COUNTS_FILE = "eval_counts.jsonl"  # per-problem correct counts of each evaluation (fgrpo.evaluation)
 SUMMARY_FILE = "summary.json"
 SUPERSEDED_FILE = "metrics_superseded.jsonl"  # rows a resumed run dropped from metrics.jsonl (see Tracker)
 _RESERVED_KEYS = ("step", "time")

@@ -221,15 +221,17 @@ def prepare(cfg: DictConfig, saved_config: Path | None = None, ranks: Ranks = SI
         torch.set_num_threads(hw.threads or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     precision = settle_hardware(cfg, saved_config, ranks)
     tokenizer, prompt_ids = distributed.agree(lambda: _encode_prompts(cfg, folder, data))
-    rare_set = distributed.agree(lambda: _load_rare_set(cfg.eval.rare_set)) if cfg.eval.rare_set else None
+    rare_set = distributed.agree(lambda: _load_rare_set(cfg.eval.rare_set, len(tokenizer))) if cfg.eval.rare_set else None
     return Run(data, verifier, folder, tokenizer, prompt_ids, precision, rare_set)
 
 
-def _load_rare_set(path: str) -> rare_nll.RareSet:
+def _load_rare_set(path: str, vocab_size: int) -> rare_nll.RareSet:
     try:
-        return rare_nll.load_rare_set(path)
+        rare = rare_nll.load_rare_set(path)
+        rare_nll.check_vocabulary(rare, vocab_size)
     except (OSError, ValueError) as error:
         raise ConfigError(f"eval.rare_set={path}: {error}") from error
+    return rare
 
 
 def _check_inputs(cfg: DictConfig, world: int) -> tuple[Data, object, Path]:

@@ -376,6 +376,9 @@ STUCK_MARGIN_S = 5.0
 Generous: on an overloaded machine a worker can stall for seconds (once 7 s, on 2 cores at load 7), and a stuck
 worker only holds up its own slot meanwhile."""
 
+MAX_FAILED_STARTS = 3
+"""Replacement workers that may die in a row before one gets ready, before the pool gives up (the run stops)."""
+
 STARTUP_LIMIT_S = 120.0
 """A new worker must have imported its verifier (math-verify: about a second alone, more on a busy machine) by then."""
 
@@ -515,6 +518,8 @@ class VerifierPool:
         self.stuck_margin_s = stuck_margin_s
         self.worker_deaths = 0
         self.stuck_workers_killed = 0
+        self._ever_ready = False  # a worker of this pool got ready: the setup works, a failed start is bad luck
+        self._failed_starts = 0  # in a row, after that
         self._workers: list[_Worker] = []
         self._payload = b""  # verify_fn pickled, for each new worker
         self._finalizer: weakref.finalize | None = None
@@ -671,6 +676,7 @@ class VerifierPool:
             return None
         if kind == "ready":
             worker.ready, worker.deadline = True, math.inf
+            self._ever_ready, self._failed_starts = True, 0
             return None
         index, worker.task, worker.deadline = worker.task, None, math.inf
         if kind == "ok":
@@ -686,7 +692,14 @@ class VerifierPool:
         except subprocess.TimeoutExpired:
             pass
         how = _describe_exit(worker.process.returncode)
-        if not worker.ready:  # its replacement would fail the same way: a setup problem, not an answer's
+        if not worker.ready and self._ever_ready and self._failed_starts < MAX_FAILED_STARTS:
+            # a replacement that died starting (memory ran short for a moment): it held no answer; try again
+            self._failed_starts += 1
+            log.warning("a replacement verifier worker ended (%s) before it was ready; starting another (%d of %d)",
+                        how, self._failed_starts, MAX_FAILED_STARTS)
+            self._replace(slot)
+            return
+        if not worker.ready:  # the first workers, or several replacements in a row: a setup problem, not an answer's
             raise RuntimeError(f"a verifier worker ended ({how}) before it was ready: importing or warming up "
                                f"{self.verify_fn!r} failed in a fresh process (its error is above), or memory ran out")
         self.worker_deaths += 1

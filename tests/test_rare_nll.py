@@ -15,7 +15,8 @@ import torch
 
 from fgrpo.model import load_policy, load_tokenizer, random_folder
 from fgrpo.packing import Sequence
-from fgrpo.rare_nll import RareSet, length_normalised_nll, load_rare_set, save_rare_set, score, select_rarest
+from fgrpo.rare_nll import (RareSet, check_vocabulary, length_normalised_nll, load_rare_set, save_rare_set, score,
+                             select_rarest, token_budget_batches)
 from fgrpo.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +49,7 @@ def direct_nll(model, seq: Sequence) -> float:
 def test_the_score_equals_a_direct_log_prob_computation(tiny):
     _, model, tokenizer = tiny
     seqs = some_sequences(37)  # more than one batch, with lengths that need padding
-    got = length_normalised_nll(model, seqs, pad_id=tokenizer.pad_token_id, batch_size=16)
+    got = length_normalised_nll(model, seqs, pad_id=tokenizer.pad_token_id, budget=200)
     want = np.array([direct_nll(model, s) for s in seqs])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     rare = RareSet(["p"] * len(seqs), seqs, want + 0.25, {})
@@ -69,6 +70,23 @@ def test_the_rarest_are_the_highest_nll_and_the_fraction_is_checked():
         select_rarest(np.array([]), 0.5)
     with pytest.raises(ValueError, match="completion token"):
         length_normalised_nll(None, [Sequence([1, 2], [])], pad_id=0)
+
+
+def test_batches_keep_their_padded_size_within_the_budget_and_the_order():
+    seqs = some_sequences(40, seed=3)
+    batches = token_budget_batches(seqs, 60)
+    assert [s for batch in batches for s in batch] == seqs and len(batches) > 1
+    for batch in batches:
+        longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in batch)
+        assert len(batch) == 1 or len(batch) * longest <= 60
+    assert [len(b) for b in token_budget_batches(seqs[:2], 1)] == [1, 1]  # longer than the budget: alone
+
+
+def test_a_set_of_another_tokenizer_is_refused():
+    rare = RareSet(["p"], [Sequence([1, 2], [70_000])], np.array([1.0]), {"model": "qwen"})
+    with pytest.raises(ValueError, match="token id 70000, past this model's vocabulary of 49152.*qwen"):
+        check_vocabulary(rare, 49152)
+    check_vocabulary(rare, 151_000)
 
 
 def test_a_set_reads_back_as_written_and_a_missing_one_is_named(tmp_path):

@@ -250,11 +250,11 @@ def test_significance_columns_against_gamma_0(tmp_path):
     grpo = cells[("grpo", 1.0)]
     assert grpo[0].startswith(f"{100 * expected_pass_at_1_delta(counts, 'grpo'):+.1f} (p=")
     assert float(re.search(r"p=([^)]+)", grpo[0]).group(1)) < 0.001
-    assert cells[("cispo", 1.0)] == ["+0.0 (p=1.000)", "+0.0 (p=1.000)"]
+    assert cells[("cispo", 1.0)] == ["+0.0 (p=1.0000)", "+0.0 (p=1.0000)"]
     assert table_rows(text)[("grpo", 1.0)] == (2, "50.0 +- 14.1*", "60.0 +-  0.0")  # the old columns unchanged
     md = (tmp_path / "report.md").read_text()
     assert "| algo | gamma | seeds | pass@1 | pass@4 | Δpass@1 vs γ=0 | Δpass@4 vs γ=0 |" in md
-    assert "| cispo | 1 | 2 | 40.0 +- 14.1 | 70.0 +-  0.0 | +0.0 (p=1.000) | +0.0 (p=1.000) |" in md
+    assert "| cispo | 1 | 2 | 40.0 +- 14.1 | 70.0 +-  0.0 | +0.0 (p=1.0000) | +0.0 (p=1.0000) |" in md
     assert "seeds pooled per problem" in md and "n = sum of n, c = sum of c" in md and "10000 iterations" in md
     assert report(tmp_path) == text  # the test is seeded: the same p-values each time
 

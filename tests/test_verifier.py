@@ -383,6 +383,29 @@ def test_pool_keeps_working_after_deaths(faulty_pool):
     assert faulty_pool.verify_batch([], []) == []
 
 
+def test_a_replacement_that_dies_while_starting_is_started_again(caplog):
+    from verifier_faults import KILL, faulty_verify
+
+    from fgrpo.verifier import VerifierPool
+
+    with VerifierPool(functools.partial(faulty_verify, timeout_s=POOL_TIMEOUT_S), workers=2,
+                      timeout_s=POOL_TIMEOUT_S) as pool:
+        assert pool.verify_batch([r"\boxed{1}", r"\boxed{2}"], ["1", "2"]) == [1.0, 1.0]  # both workers got ready
+        first = set(pool.pids)
+        assert pool.verify_batch([rf"\boxed{{1}} {KILL}"], ["1"]) == [0.0]  # one dies on the answer: replaced
+        (replacement,) = set(pool.pids) - first
+        os.kill(replacement, signal.SIGKILL)  # still importing math-verify
+        batch = [rf"\boxed{{{n}}}" for n in range(8)]
+        with caplog.at_level(logging.WARNING, logger="fgrpo.verifier"):
+            assert pool.verify_batch(batch, ["3"] * 8) == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+        deadline = time.monotonic() + 60
+        while len(set(pool.pids) - first - {replacement}) < 1 and time.monotonic() < deadline:
+            pool.verify_batch(batch, ["3"] * 8)
+        assert len(pool.pids) == 2 and replacement not in pool.pids  # started again
+        assert any("before it was ready; starting another (1 of 3)" in r.getMessage() for r in caplog.records)
+        assert pool.worker_deaths == 1  # the death on an answer; the failed start held none
+
+
 def test_pool_kills_a_worker_stuck_past_its_timeout():
     from verifier_faults import HANG, faulty_verify
 
