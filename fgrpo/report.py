@@ -7,7 +7,10 @@ Reads only what the runs wrote (``.hydra/config.yaml``, ``.hydra/hydra.yaml``, `
 so a sweep copied back from a cluster reports the same. A job that failed before it wrote a run directory is still
 listed as FAILED (from the job list in ``multirun.yaml``), with its Slurm log when there is one. Writes ``report.md``
 and ``report.png`` (pass@k curves, one panel per algorithm, one line per gamma, drawn by :mod:`fgrpo.plots`) next to
-the sweep, or into ``--out``.
+the sweep, or into ``--out``. ``report.md`` also lists every run (pass@1 and pass@k before -> after, held-out
+problems never solved before -> after, the rare-trajectory NLL change where the run measured it, the median step
+time), and ``report_success_rates.png`` shows the held-out problems' success-rate histograms before and after
+training and the share of training groups all correct / all wrong per step.
 
 Significance: where runs wrote per-problem counts (``eval_counts.jsonl``), each row with gamma != 0 also shows its
 difference to the gamma = 0 row of the same algorithm at pass@1 and at a large k, with the p-value of the paired
@@ -59,6 +62,7 @@ class Run:
     log_path: Path | None = None
     job_num: int | None = None  # Hydra's hydra.job.num (the #i of the sweep's job list)
     job_id: str | None = None  # Hydra's hydra.job.id (the Slurm job id, e.g. 12_3, under submitit)
+    steps: list[dict] = field(default_factory=list)  # rows of metrics.jsonl with train/* (one per training step)
 
     @property
     def algo(self) -> str:
@@ -182,9 +186,10 @@ def find_runs(sweep_dir: Path) -> list[Run]:
         except ValueError:  # a corrupt metrics.jsonl: count the run as failed
             rows = []
         evals = [row for row in rows if "eval/pass@1" in row]
+        steps = [row for row in rows if "train/frac_all_correct" in row]
         finished = bool(evals) and evals[-1].get("step") == config.get("trainer.steps")
         runs.append(Run(run_dir, config, evals, "completed" if finished else "failed",
-                        _job_log(run_dir, sweep_dir, job_id), job_num, job_id))
+                        _job_log(run_dir, sweep_dir, job_id), job_num, job_id, steps))
     if not runs:
         raise ReportError(
             f"no runs found under {sweep_dir}: a run directory holds .hydra/config.yaml and metrics.jsonl "
@@ -385,6 +390,114 @@ def plot_curves(runs: list[Run], path: Path) -> None:
     plot_pass_at_k_panels(panels, path, ylabel="final pass@k")
 
 
+# held-out problems by their success rate c / n in one evaluation: never solved, rare, ..., always solved
+SUCCESS_BINS = ("0", "(0, 1/8)", "[1/8, 1/4)", "[1/4, 1/2)", "[1/2, 3/4)", "[3/4, 1)", "1")
+_INNER_EDGES = (1 / 8, 1 / 4, 1 / 2, 3 / 4)
+
+
+def success_rate_shares(rates: np.ndarray) -> np.ndarray:
+    """``[len(SUCCESS_BINS)]``: the share of ``rates`` (each c / n in [0, 1]) in each of SUCCESS_BINS."""
+    rates = np.asarray(rates, dtype=float)
+    if rates.size == 0:
+        raise ValueError("no success rates to bin")
+    inner = (rates > 0) & (rates < 1)
+    bins = np.concatenate([[np.sum(rates == 0)],
+                           np.histogram(rates[inner], bins=(0.0, *_INNER_EDGES, 1.0))[0],
+                           [np.sum(rates == 1)]])
+    return bins / rates.size
+
+
+def _rates(run: Run, step: int | None) -> np.ndarray | None:
+    """Every held-out problem's c / n in ``run``'s evaluation at ``step`` (all eval sets), or None without counts."""
+    try:
+        counts = load_counts(run.path, step=step)
+    except CompareError:
+        return None
+    return np.array([c for problems in counts.correct.values() for c in problems.values()]) / counts.n
+
+
+def _cell_label(algo: str, gamma: float) -> str:
+    return f"{algo} γ={gamma:g}"
+
+
+def plot_success_rates(runs: list[Run], path: Path) -> bool:
+    """report_success_rates.png: left, the held-out problems' success rates before training (every run's step 0
+    pooled) and after (each algo x gamma, its seeds pooled); right, the share of training groups all correct and
+    all wrong per step (mean over seeds, 5-step moving average). False (nothing drawn) when no run wrote counts."""
+    from matplotlib.figure import Figure
+
+    completed = [r for r in runs if r.status == "completed"]
+    cells: dict[Cell, list[Run]] = defaultdict(list)
+    for run in completed:
+        cells[(run.algo, run.gamma)].append(run)
+    befores = [rates for r in completed if (rates := _rates(r, 0)) is not None]
+    afters = {cell: [rates for r in cell_runs if (rates := _rates(r, r.final.get("step"))) is not None]
+              for cell, cell_runs in sorted(cells.items())}
+    colors = {cell: f"C{index}" for index, cell in enumerate(sorted(cells))}  # one color per cell, both panels
+    bars = ([(f"before training ({len(befores)} runs)", "0.6", np.concatenate(befores))] if befores else [])
+    bars += [(f"{_cell_label(*cell)} after ({len(rates)} seeds)", colors[cell], np.concatenate(rates))
+             for cell, rates in afters.items() if rates]
+    if not bars:
+        return False
+    figure = Figure(figsize=(12, 4.5), dpi=150, layout="constrained")
+    held_out, training = figure.subplots(1, 2)
+    width = 0.8 / len(bars)
+    positions = np.arange(len(SUCCESS_BINS))
+    for i, (label, color, rates) in enumerate(bars):
+        held_out.bar(positions + (i - (len(bars) - 1) / 2) * width, success_rate_shares(rates), width, label=label,
+                     color=color)
+    held_out.set_xticks(positions, SUCCESS_BINS)
+    held_out.set_xlabel("success rate c / n of a held-out problem")
+    held_out.set_ylabel("share of held-out problems")
+    held_out.set_title("held-out problems by success rate")
+    held_out.legend(fontsize=8)
+    for cell, cell_runs in sorted(cells.items()):
+        color = colors[cell]
+        for key, style, what in (("train/frac_all_correct", "-", "all correct"), ("train/frac_all_wrong", "--", "all wrong")):
+            series = [np.array([row[key] for row in r.steps]) for r in cell_runs if r.steps]
+            if not series:
+                continue
+            length = min(len(x) for x in series)
+            mean = np.mean([x[:length] for x in series], axis=0)
+            window = min(5, length)
+            smooth = np.convolve(mean, np.ones(window) / window, mode="valid")
+            steps = [row["step"] for row in cell_runs[0].steps][window - 1:length]
+            training.plot(steps, smooth, style, color=color, label=f"{_cell_label(*cell)}: {what}",
+                          marker="." if len(steps) < 10 else None)
+    training.set_xlabel("training step")
+    training.set_ylabel(f"share of the step's groups ({min(5, max(len(r.steps) for r in completed) or 1)}-step mean)")
+    training.set_ylim(-0.02, 1.02)
+    training.set_title("training groups all correct (-) and all wrong (--)")
+    if training.lines:
+        training.legend(fontsize=7)
+    figure.savefig(path, format="png")
+    return True
+
+
+def runs_table(runs: list[Run], k: int) -> tuple[list[str], list[list[str]]]:
+    """One row per completed run: pass@1 and pass@k before -> after training (%), the held-out problems never
+    solved (c = 0) before -> after, the rare-trajectory NLL change at the last evaluation (when the run measured
+    it, eval.rare_set) and the median step time."""
+    header = ["algo", "gamma", "seed", "pass@1 %", f"pass@{k} %", "c=0 problems", "ΔNLL_rare", "median step s"]
+    rows = []
+    completed = sorted((r for r in runs if r.status == "completed"),
+                       key=lambda r: (r.algo, r.gamma, str(r.config.get("seed"))))
+    for run in completed:
+        first, last = run.evals[0], run.final
+        cells = [run.algo, f"{run.gamma:g}", str(run.config.get("seed"))]
+        for key in ("eval/pass@1", f"eval/pass@{k}"):
+            cells.append(f"{100 * first[key]:.1f} → {100 * last[key]:.1f}" if key in first and key in last else NO_VALUE)
+        never = [None if (rates := _rates(run, row.get("step"))) is None else int(np.sum(rates == 0))
+                 for row in (first, last)]
+        cells.append(f"{never[0]} → {never[1]}" if None not in never else NO_VALUE)
+        delta = last.get("eval/rare_nll_delta")
+        cells.append(f"{delta:+.3f}" if delta is not None else NO_VALUE)
+        step_times = [row["perf/step_time_s"] for row in run.steps if "perf/step_time_s" in row]
+        cells.append(f"{np.median(step_times):.1f}" if step_times else NO_VALUE)
+        rows.append(cells)
+    return header, rows
+
+
 def report(sweep_dir: Path, out_dir: Path | None = None, *,
            significance_iterations: int = SIGNIFICANCE_ITERATIONS) -> str:
     """Build the table, write report.md and report.png; return the text that is printed."""
@@ -406,15 +519,22 @@ def report(sweep_dir: Path, out_dir: Path | None = None, *,
                      + f" left no run directory; log: {job.log_path or 'none (it failed before writing one, or never ran)'}"
                      for job in missing]
     note = f"{len(runs) - len(failed)} completed runs, {len(failed) + len(missing)} failed. Final pass@1 and pass@{k} in %, mean +- std over seeds; * = best in column."
+    plot_curves(runs, out_dir / "report.png")
+    drew_rates = plot_success_rates(runs, out_dir / "report_success_rates.png")
+    run_header, run_rows = runs_table(runs, k)
     (out_dir / "report.md").write_text(
         f"# Sweep report: {sweep_dir}\n\n{note}\n\n{format_markdown(header, rows)}\n"
         + "\n" + "\n".join(f"{line}\n" for line in sig_notes)
         + ("\n" + "\n".join(f"- {line}" for line in failed_lines) + "\n" if failed_lines else "")
         + "\n![pass@k curves](report.png)\n"
+        + "\n## Runs\n\nBefore → after training; c=0 problems: held-out problems with no correct sample.\n\n"
+        + format_markdown(run_header, run_rows) + "\n"
+        + ("\n![success rates](report_success_rates.png)\n" if drew_rates else "")
     )
-    plot_curves(runs, out_dir / "report.png")
-    text = "\n".join([format_text(header, rows), "", note, *sig_notes, *failed_lines,
-                      f"wrote {out_dir / 'report.md'} and {out_dir / 'report.png'}"])
+    written = ["report.md", "report.png"] + (["report_success_rates.png"] if drew_rates else [])
+    text = "\n".join([format_text(header, rows), "", note, *sig_notes, *failed_lines, "",
+                      format_text(run_header, run_rows), "",
+                      f"wrote {', '.join(str(out_dir / name) for name in written)}"])
     return text
 
 

@@ -25,7 +25,8 @@ FINALS = {
 
 
 def write_run(run_dir: Path, algo: str, gamma: float, seed: int, p1: float, p4: float, *, job_num: int = 0,
-              job_id: str | None = None, lr: float = 1e-5, steps_done: int = STEPS, dtype: str = "bfloat16") -> Path:
+              job_id: str | None = None, lr: float = 1e-5, steps_done: int = STEPS, dtype: str = "bfloat16",
+              rare_nll_delta: float | None = None) -> Path:
     (run_dir / ".hydra").mkdir(parents=True)
     config = {"seed": seed, "algo": {"name": algo, "group_size": 4}, "focal": {"gamma": gamma},
               "trainer": {"steps": STEPS, "lr": lr}, "eval": {"n_samples": 4},
@@ -35,10 +36,12 @@ def write_run(run_dir: Path, algo: str, gamma: float, seed: int, p1: float, p4: 
     (run_dir / ".hydra" / "hydra.yaml").write_text(
         yaml.safe_dump({"hydra": {"job": {"name": "run", "num": job_num, "id": job_id or f"job_id_for_{job_num}"}}}))
     rows = [{"step": 0, "eval/pass@1": 0.05, "eval/pass@2": 0.1, "eval/pass@4": 0.2}]
-    rows += [{"step": step, "train/loss": 0.1} for step in range(1, steps_done + 1)]
+    rows += [{"step": step, "train/loss": 0.1, "train/frac_all_correct": step * p1 / STEPS,
+              "train/frac_all_wrong": 1 - p4, "perf/step_time_s": 2.0 + step} for step in range(1, steps_done + 1)]
     if steps_done == STEPS:
         rows.append({"step": STEPS, "eval/pass@1": p1, "eval/pass@2": (p1 + p4) / 2, "eval/pass@4": p4,
-                     "eval/pass@4_ci_low": 0.0, "eval/pass@4_ci_high": 1.0})
+                     "eval/pass@4_ci_low": 0.0, "eval/pass@4_ci_high": 1.0,
+                     **({"eval/rare_nll_delta": rare_nll_delta} if rare_nll_delta is not None else {})})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (run_dir / "run.log").write_text("log\n")
     return run_dir
@@ -57,7 +60,7 @@ def write_sweep(root: Path, **kwargs) -> Path:
 def table_rows(text: str) -> dict:
     """{(algo, gamma): (seeds, pass@1 cell, pass@4 cell)} from the printed table."""
     rows = {}
-    for line in text.splitlines():
+    for line in text.split("\n\n")[0].splitlines():  # the sweep table; the runs table follows a blank line
         parts = line.split()
         if parts and parts[0] in ("grpo", "cispo", "dapo"):
             cells = re.findall(r"\d+\.\d \+- +\d+\.\d\*?", line)
@@ -223,7 +226,7 @@ def write_sweep_with_counts(root: Path) -> dict:
 def significance_cells(text: str) -> dict:
     """{(algo, gamma): [cells after the pass@k columns]} from the printed table."""
     cells = {}
-    for line in text.splitlines():
+    for line in text.split("\n\n")[0].splitlines():
         parts = line.split()
         if parts and parts[0] in ("grpo", "cispo", "dapo"):
             tail = re.split(r"\d+\.\d \+- +\d+\.\d\*?", line)[-1]
@@ -310,3 +313,52 @@ def test_significance_iterations_flag(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path), "--significance-iterations", "0"])
     assert exit_info.value.code == 2 and "--significance-iterations must be >= 1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the runs table and the success-rate figure
+
+
+def test_success_rate_shares_bin_edges():
+    from fgrpo.report import SUCCESS_BINS, success_rate_shares
+
+    rates = np.array([0, 0, 0.05, 0.125, 0.2, 0.25, 0.5, 0.74, 0.75, 0.99, 1, 1])
+    shares = success_rate_shares(rates)
+    assert len(shares) == len(SUCCESS_BINS)
+    np.testing.assert_allclose(shares * len(rates), [2, 1, 2, 1, 2, 2, 2])  # 0 and 1 only in their own bins
+    with pytest.raises(ValueError, match="no success rates"):
+        success_rate_shares(np.array([]))
+
+
+def runs_section(md: str) -> dict:
+    """{(algo, gamma, seed): cells} of report.md's runs table."""
+    section = md.split("## Runs")[1]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] in ("grpo", "cispo"):
+            rows[(cells[0], float(cells[1]), int(cells[2]))] = cells[3:]
+    return rows
+
+
+def test_runs_table_before_after_never_solved_rare_nll_and_step_time(tmp_path):
+    counts = write_sweep_with_counts(tmp_path)
+    metrics = tmp_path / "0_algo=grpo,focal.gamma=0,seed=0" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows[-1]["eval/rare_nll_delta"] = 0.125  # as a run with eval.rare_set logs it
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    text = report(tmp_path)
+    table = runs_section((tmp_path / "report.md").read_text())
+    assert len(table) == 8
+    never_after = sum(int(np.sum(c == 0)) for c in counts[("grpo", 0.0, 0)].values())
+    assert table[("grpo", 0.0, 0)] == ["5.0 → 10.0", "20.0 → 50.0", f"40 → {never_after}", "+0.125", "3.5"]
+    assert table[("grpo", 1.0, 1)][3] == "—"  # no rare-trajectory set measured
+    assert (tmp_path / "report_success_rates.png").stat().st_size > 20_000
+    assert "report_success_rates.png" in text.splitlines()[-1]
+
+
+def test_runs_table_without_counts_and_no_success_rate_figure(tmp_path):
+    write_sweep(tmp_path)
+    report(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert runs_section(md)[("cispo", 1.0, 0)][2] == "—"  # no eval_counts.jsonl: no problem counts
+    assert not (tmp_path / "report_success_rates.png").exists() and "report_success_rates.png" not in md
