@@ -181,6 +181,9 @@ class TrainerConfig:
 @dataclass
 class EvalConfig:
     every: int = 15  # steps between evaluations; 0 = only before the first and after the last step
+    # evaluate the starting weights before the first step; false saves that evaluation where many runs of a sweep
+    # start from the same model (evaluate it once: python -m fgrpo.evaluate)
+    before: bool = True
     n_samples: int = 16
     max_problems: int = 40
     # fgrpo.evaluate only: the model to evaluate, a run directory (its final_model, else its latest checkpoint),

@@ -44,7 +44,7 @@ CELL_KEYS = ("algo.name", "focal.gamma")
 # what `auto` settles per job from the machine it runs on (fgrpo.precision), written into its saved config
 SETTLED_KEYS = {"hardware.autocast_dtype", "hardware.sampler_dtype", "hardware.keep_matmul_outputs_gib"}
 FREE_KEYS = ("seed", "run_name", "logger.group", "logger.tags", "logger.mode", "trainer.save_final",
-             "trainer.profile_step")
+             "trainer.profile_step", "eval.before")
 SIGNIFICANCE_ITERATIONS = 10_000  # per compared row: about 3 s at the paper's size (6 x 500 problems, 8 x 1024 samples)
 NO_VALUE = "—"
 
@@ -372,22 +372,33 @@ def format_text(header: list[str], rows: list[list[str]]) -> str:
 
 
 def plot_curves(runs: list[Run], path: Path) -> None:
-    """report.png: one panel per algorithm, one line per gamma (final pass@k, mean over seeds, +-1 std shaded)."""
+    """report.png: one panel per algorithm, one line per gamma (final pass@k, mean over seeds, +-1 std shaded), and
+    a line for the evaluation before training (the algorithm's runs at step 0) where they made one."""
     completed = [r for r in runs if r.status == "completed"]
+
+    def mean_curve(rows: list[dict]) -> list[tuple[int, float, float, float]]:
+        ks = sorted({int(key.split("@")[1]) for key in rows[0]
+                     if key.startswith("eval/pass@") and key.split("@")[1].isdigit()})
+        points = []
+        for k in ks:
+            mean, std = _mean_std([row[f"eval/pass@{k}"] for row in rows if f"eval/pass@{k}" in row])
+            points.append((k, mean, mean - std, mean + std))
+        return points
+
+    def seeds(count: int) -> str:
+        return f"{count} seed{'s' if count > 1 else ''}"
+
     panels = {}
     for algo in sorted({r.algo for r in completed}):
         curves = {}
+        befores = [r.evals[0] for r in completed if r.algo == algo and r.evals[0].get("step") == 0]
+        if befores:
+            curves[f"before training ({len(befores)} runs)"] = mean_curve(befores)
         for gamma in sorted({r.gamma for r in completed if r.algo == algo}):
-            group = [r for r in completed if r.algo == algo and r.gamma == gamma]
-            ks = sorted({int(key.split("@")[1]) for key in group[0].final
-                         if key.startswith("eval/pass@") and key.split("@")[1].isdigit()})
-            points = []
-            for k in ks:
-                mean, std = _mean_std([r.final[f"eval/pass@{k}"] for r in group])
-                points.append((k, mean, mean - std, mean + std))
-            curves[f"gamma={gamma:g} ({len(group)} seed{'s' if len(group) > 1 else ''})"] = points
+            group = [r.final for r in completed if r.algo == algo and r.gamma == gamma]
+            curves[f"gamma={gamma:g} ({seeds(len(group))})"] = mean_curve(group)
         panels[algo] = curves
-    plot_pass_at_k_panels(panels, path, ylabel="final pass@k")
+    plot_pass_at_k_panels(panels, path, ylabel="pass@k (final; before training)")
 
 
 # held-out problems by their success rate c / n in one evaluation: never solved, rare, ..., always solved
@@ -430,7 +441,7 @@ def plot_success_rates(runs: list[Run], path: Path) -> bool:
     cells: dict[Cell, list[Run]] = defaultdict(list)
     for run in completed:
         cells[(run.algo, run.gamma)].append(run)
-    befores = [rates for r in completed if (rates := _rates(r, 0)) is not None]
+    befores = [rates for r in completed if r.evals[0].get("step") == 0 and (rates := _rates(r, 0)) is not None]
     afters = {cell: [rates for r in cell_runs if (rates := _rates(r, r.final.get("step"))) is not None]
               for cell, cell_runs in sorted(cells.items())}
     colors = {cell: f"C{index}" for index, cell in enumerate(sorted(cells))}  # one color per cell, both panels
@@ -483,13 +494,13 @@ def runs_table(runs: list[Run], k: int) -> tuple[list[str], list[list[str]]]:
     completed = sorted((r for r in runs if r.status == "completed"),
                        key=lambda r: (r.algo, r.gamma, str(r.config.get("seed"))))
     for run in completed:
-        first, last = run.evals[0], run.final
+        first, last = (run.evals[0] if run.evals[0].get("step") == 0 else {}), run.final  # eval.before=false: none
         cells = [run.algo, f"{run.gamma:g}", str(run.config.get("seed"))]
         for key in ("eval/pass@1", f"eval/pass@{k}"):
-            cells.append(f"{100 * first[key]:.1f} → {100 * last[key]:.1f}" if key in first and key in last else NO_VALUE)
-        never = [None if (rates := _rates(run, row.get("step"))) is None else int(np.sum(rates == 0))
+            cells.append(" → ".join(f"{100 * row[key]:.1f}" if key in row else NO_VALUE for row in (first, last)))
+        never = [None if not row or (rates := _rates(run, row.get("step"))) is None else int(np.sum(rates == 0))
                  for row in (first, last)]
-        cells.append(f"{never[0]} → {never[1]}" if None not in never else NO_VALUE)
+        cells.append(" → ".join(NO_VALUE if count is None else str(count) for count in never))
         delta = last.get("eval/rare_nll_delta")
         cells.append(f"{delta:+.3f}" if delta is not None else NO_VALUE)
         step_times = [row["perf/step_time_s"] for row in run.steps if "perf/step_time_s" in row]

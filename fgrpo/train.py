@@ -1,6 +1,6 @@
 """The RLVR training loop, top to bottom in :func:`train`: sample groups -> verify -> F-GRPO advantages ->
 learner update -> push weights into the sampler -> log. Evaluation (unbiased pass@k on held-out problems) runs
-before the first step, every ``eval.every`` steps and after the last.
+before the first step (unless ``eval.before=false``), every ``eval.every`` steps and after the last.
 
 Everything that can fail on bad input (config ranges, data files, the model source, a missing vLLM)
 is checked in :func:`prepare`, before the model loads.
@@ -110,9 +110,10 @@ def train(
         if ranks.main:  # counts of steps after the checkpoint (or of an attempt that saved none) are redone
             supersede_rows_after(run_dir / COUNTS_FILE, resumed.state.step if resumed else -1)
         if resumed is None:
-            eval_metrics, curve = evaluate_now(0)
-            curves = {"before training": curve}
-            tracker.log(eval_metrics, step=0)
+            eval_metrics, curves = {}, {}
+            if cfg.eval.before:
+                eval_metrics, curves["before training"] = evaluate_now(0)
+                tracker.log(eval_metrics, step=0)
             before, first_step, last_eval_step = eval_metrics, 1, 0
         else:
             state = resumed.state

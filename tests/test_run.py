@@ -1,5 +1,6 @@
 """End-to-end runs of `python run.py` (the real CLI, Hydra, model, samplers, W&B offline files)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -74,6 +75,16 @@ def test_two_steps_on_tiny_random_change_all_parameters(tmp_path, sampler):
     before, after = initial_tiny_state(), load_state(tmp_path / "final_model")
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     assert not unchanged, f"parameters that did not change: {unchanged}"
+
+
+def test_eval_before_false_skips_only_the_evaluation_of_the_starting_weights(tmp_path):
+    result = run_cli(tmp_path, *TINY, "sampler=hf", "logger=none", "eval.before=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    evals = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "eval/pass@1" in r]
+    assert evals == [1, 2]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "eval/pass@1" in summary and not any(key.endswith("_before") for key in summary)
+    assert (tmp_path / "pass_at_k.png").stat().st_size > 10_000  # the after-training curve alone
 
 
 @pytest.mark.slow
