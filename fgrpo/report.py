@@ -26,6 +26,7 @@ are left out.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections import defaultdict
@@ -485,10 +486,21 @@ def plot_success_rates(runs: list[Run], path: Path) -> bool:
     return True
 
 
+RARE_SCORE_FILE = "rare_nll.json"  # `python -m fgrpo.rare_nll score SET RUN --out RUN/rare_nll.json` after training
+
+
+def _scored_rare_nll_delta(run_dir: Path) -> float | None:
+    """The rare-trajectory NLL change that ``fgrpo.rare_nll score`` wrote into the run directory, if it did."""
+    try:
+        return float(json.loads((run_dir / RARE_SCORE_FILE).read_text())["rare_nll_delta"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def runs_table(runs: list[Run], k: int) -> tuple[list[str], list[list[str]]]:
     """One row per completed run: pass@1 and pass@k before -> after training (%), the held-out problems never
     solved (c = 0) before -> after, the rare-trajectory NLL change at the last evaluation (when the run measured
-    it, eval.rare_set) and the median step time."""
+    it, eval.rare_set, else from RARE_SCORE_FILE in the run directory) and the median step time."""
     header = ["algo", "gamma", "seed", "pass@1 %", f"pass@{k} %", "c=0 problems", "ΔNLL_rare", "median step s"]
     rows = []
     completed = sorted((r for r in runs if r.status == "completed"),
@@ -501,7 +513,7 @@ def runs_table(runs: list[Run], k: int) -> tuple[list[str], list[list[str]]]:
         never = [None if not row or (rates := _rates(run, row.get("step"))) is None else int(np.sum(rates == 0))
                  for row in (first, last)]
         cells.append(" → ".join(NO_VALUE if count is None else str(count) for count in never))
-        delta = last.get("eval/rare_nll_delta")
+        delta = last.get("eval/rare_nll_delta", _scored_rare_nll_delta(run.path))
         cells.append(f"{delta:+.3f}" if delta is not None else NO_VALUE)
         step_times = [row["perf/step_time_s"] for row in run.steps if "perf/step_time_s" in row]
         cells.append(f"{np.median(step_times):.1f}" if step_times else NO_VALUE)

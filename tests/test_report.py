@@ -352,6 +352,10 @@ def test_runs_table_before_after_never_solved_rare_nll_and_step_time(tmp_path):
     never_after = sum(int(np.sum(c == 0)) for c in counts[("grpo", 0.0, 0)].values())
     assert table[("grpo", 0.0, 0)] == ["5.0 → 10.0", "20.0 → 50.0", f"40 → {never_after}", "+0.125", "3.5"]
     assert table[("grpo", 1.0, 1)][3] == "—"  # no rare-trajectory set measured
+    score = {"rare_nll": 2.5, "rare_nll_delta": -0.25, "base_nll": 2.75, "trajectories": 10}
+    (tmp_path / "3_algo=grpo,focal.gamma=1,seed=1" / "rare_nll.json").write_text(json.dumps(score))  # rare_nll score --out
+    report(tmp_path)
+    assert runs_section((tmp_path / "report.md").read_text())[("grpo", 1.0, 1)][3] == "-0.250"
     assert (tmp_path / "report_success_rates.png").stat().st_size > 20_000
     assert "report_success_rates.png" in text.splitlines()[-1]
 
