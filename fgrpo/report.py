@@ -372,6 +372,10 @@ def format_text(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
 
 
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' if count != 1 else ''}"
+
+
 def plot_curves(runs: list[Run], path: Path) -> None:
     """report.png: one panel per algorithm, one line per gamma (final pass@k, mean over seeds, +-1 std shaded), and
     a line for the evaluation before training (the algorithm's runs at step 0) where they made one."""
@@ -386,18 +390,15 @@ def plot_curves(runs: list[Run], path: Path) -> None:
             points.append((k, mean, mean - std, mean + std))
         return points
 
-    def seeds(count: int) -> str:
-        return f"{count} seed{'s' if count > 1 else ''}"
-
     panels = {}
     for algo in sorted({r.algo for r in completed}):
         curves = {}
         befores = [r.evals[0] for r in completed if r.algo == algo and r.evals[0].get("step") == 0]
         if befores:
-            curves[f"before training ({len(befores)} runs)"] = mean_curve(befores)
+            curves[f"before training ({_counted(len(befores), 'run')})"] = mean_curve(befores)
         for gamma in sorted({r.gamma for r in completed if r.algo == algo}):
             group = [r.final for r in completed if r.algo == algo and r.gamma == gamma]
-            curves[f"gamma={gamma:g} ({seeds(len(group))})"] = mean_curve(group)
+            curves[f"gamma={gamma:g} ({_counted(len(group), 'seed')})"] = mean_curve(group)
         panels[algo] = curves
     plot_pass_at_k_panels(panels, path, ylabel="pass@k (final; before training)")
 
@@ -446,8 +447,8 @@ def plot_success_rates(runs: list[Run], path: Path) -> bool:
     afters = {cell: [rates for r in cell_runs if (rates := _rates(r, r.final.get("step"))) is not None]
               for cell, cell_runs in sorted(cells.items())}
     colors = {cell: f"C{index}" for index, cell in enumerate(sorted(cells))}  # one color per cell, both panels
-    bars = ([(f"before training ({len(befores)} runs)", "0.6", np.concatenate(befores))] if befores else [])
-    bars += [(f"{_cell_label(*cell)} after ({len(rates)} seeds)", colors[cell], np.concatenate(rates))
+    bars = ([(f"before training ({_counted(len(befores), 'run')})", "0.6", np.concatenate(befores))] if befores else [])
+    bars += [(f"{_cell_label(*cell)} after ({_counted(len(rates), 'seed')})", colors[cell], np.concatenate(rates))
              for cell, rates in afters.items() if rates]
     if not bars:
         return False

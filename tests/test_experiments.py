@@ -32,3 +32,19 @@ def test_arith_headroom_one_step_smoke_run_on_tiny_random(tmp_path):
     assert all(row["problem"].startswith("arithmetic/") for row in counts)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert "eval/pass@4" in summary
+
+
+def test_the_committed_arith_headroom_runs_report_the_numbers_of_docs_results(tmp_path):
+    """docs/results.md quotes the report over the runs kept in the repository; they must still report the same."""
+    from pathlib import Path
+
+    from fgrpo.report import report
+
+    runs = Path(__file__).resolve().parents[1] / "docs" / "results" / "arith_headroom" / "runs"
+    text = report(runs, tmp_path)
+    table = text.split("\n\n")[0]
+    assert "grpo  0      1       55.6 +-  0.0*   81.7 +-  0.0*" in table
+    assert "grpo  1      1       53.7 +-  0.0    81.7 +-  0.0*  -1.9 (p=0.0012)" in table
+    md = (tmp_path / "report.md").read_text()
+    assert "| grpo | 0 | 0 | 11.9 → 55.6 | 71.7 → 81.7 | 17 → 11 | +0.533 |" in md
+    assert "| grpo | 1 | 0 | — → 53.7 | — → 81.7 | — → 11 | +0.362 |" in md
