@@ -400,7 +400,7 @@ def plot_curves(runs: list[Run], path: Path) -> None:
             group = [r.final for r in completed if r.algo == algo and r.gamma == gamma]
             curves[f"gamma={gamma:g} ({_counted(len(group), 'seed')})"] = mean_curve(group)
         panels[algo] = curves
-    plot_pass_at_k_panels(panels, path, ylabel="pass@k (final; before training)")
+    plot_pass_at_k_panels(panels, path, ylabel="pass@k")
 
 
 # held-out problems by their success rate c / n in one evaluation: never solved, rare, ..., always solved
