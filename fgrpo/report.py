@@ -77,6 +77,16 @@ class Run:
     def final(self) -> dict:
         return self.evals[-1] if self.evals else {}
 
+    @property
+    def before(self) -> dict:
+        """The evaluation before training (step 0); {} for a run with eval.before=false."""
+        return self.evals[0] if self.evals and self.evals[0].get("step") == 0 else {}
+
+
+def _pass_at_ks(row: dict) -> list[int]:
+    """The k of each ``eval/pass@k`` in a metrics row (the average over eval sets), ascending."""
+    return sorted(int(key.split("@")[1]) for key in row if key.startswith("eval/pass@") and key.split("@")[1].isdigit())
+
 
 def _flatten(tree, prefix: str = "") -> dict:
     flat = {}
@@ -224,7 +234,7 @@ def check_same_config(runs: list[Run]) -> None:
 
 
 def _largest_k(runs: list[Run]) -> int:
-    ks = [int(key.split("@")[1]) for r in runs for key in r.final if key.startswith("eval/pass@") and key.split("@")[1].isdigit()]
+    ks = [k for r in runs for k in _pass_at_ks(r.final)]
     return max(ks)
 
 
@@ -382,10 +392,8 @@ def plot_curves(runs: list[Run], path: Path) -> None:
     completed = [r for r in runs if r.status == "completed"]
 
     def mean_curve(rows: list[dict]) -> list[tuple[int, float, float, float]]:
-        ks = sorted({int(key.split("@")[1]) for key in rows[0]
-                     if key.startswith("eval/pass@") and key.split("@")[1].isdigit()})
         points = []
-        for k in ks:
+        for k in _pass_at_ks(rows[0]):
             mean, std = _mean_std([row[f"eval/pass@{k}"] for row in rows if f"eval/pass@{k}" in row])
             points.append((k, mean, mean - std, mean + std))
         return points
@@ -393,7 +401,7 @@ def plot_curves(runs: list[Run], path: Path) -> None:
     panels = {}
     for algo in sorted({r.algo for r in completed}):
         curves = {}
-        befores = [r.evals[0] for r in completed if r.algo == algo and r.evals[0].get("step") == 0]
+        befores = [r.before for r in completed if r.algo == algo and r.before]
         if befores:
             curves[f"before training ({_counted(len(befores), 'run')})"] = mean_curve(befores)
         for gamma in sorted({r.gamma for r in completed if r.algo == algo}):
@@ -443,7 +451,7 @@ def plot_success_rates(runs: list[Run], path: Path) -> bool:
     cells: dict[Cell, list[Run]] = defaultdict(list)
     for run in completed:
         cells[(run.algo, run.gamma)].append(run)
-    befores = [rates for r in completed if r.evals[0].get("step") == 0 and (rates := _rates(r, 0)) is not None]
+    befores = [rates for r in completed if r.before and (rates := _rates(r, 0)) is not None]
     afters = {cell: [rates for r in cell_runs if (rates := _rates(r, r.final.get("step"))) is not None]
               for cell, cell_runs in sorted(cells.items())}
     colors = {cell: f"C{index}" for index, cell in enumerate(sorted(cells))}  # one color per cell, both panels
@@ -507,7 +515,7 @@ def runs_table(runs: list[Run], k: int) -> tuple[list[str], list[list[str]]]:
     completed = sorted((r for r in runs if r.status == "completed"),
                        key=lambda r: (r.algo, r.gamma, str(r.config.get("seed"))))
     for run in completed:
-        first, last = (run.evals[0] if run.evals[0].get("step") == 0 else {}), run.final  # eval.before=false: none
+        first, last = run.before, run.final
         cells = [run.algo, f"{run.gamma:g}", str(run.config.get("seed"))]
         for key in ("eval/pass@1", f"eval/pass@{k}"):
             cells.append(" → ".join(f"{100 * row[key]:.1f}" if key in row else NO_VALUE for row in (first, last)))
