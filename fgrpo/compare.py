@@ -33,7 +33,9 @@ never reports p = 0; clipped to 1.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -456,6 +458,40 @@ TABLE_HEADER = ["dataset", "k", "A", "B", "A-B", "interval", "p-value", "signifi
 CLOSE_TO_M_NOTE = ("† k > m/2: pass@k of an m-sample subset is close to an 'any correct' indicator and the rescaling "
                    "does not fit it; such p-values were conservative in simulation except where nearly every problem "
                    "is solved by both (then far too small): see docs/evaluation.md.")
+
+
+PERMUTATION_SPLITS = 100_000  # splits the seed-level test enumerates at most (else draws this many at random)
+
+
+def permutation_test(values_a: Sequence[float], values_b: Sequence[float], *, splits: int = PERMUTATION_SPLITS,
+                     seed: int = 0) -> float:
+    """Two-sided p-value of mean(a) - mean(b) when each value is one run (one seed), under the null that the runs'
+    labels are exchangeable: the share of the splits of the pooled values into groups of len(a) and len(b) whose
+    |difference of means| is at least the observed one.
+
+    Exact (every split, the observed one among them) when there are at most ``splits`` splits; otherwise ``splits``
+    random splits, with ``(count + 1) / (splits + 1)`` so that it never reports 0. Unlike :func:`paired_test`, this
+    sees how much training varies from seed to seed, but it has only the runs to go on: with s runs a side its
+    smallest possible p is 2 / C(2s, s) (0.1 at s = 3, 0.0079 at s = 5).
+    Shapes: values_a (s_a,), values_b (s_b,), s_a, s_b >= 1.
+    """
+    a, b = np.asarray(values_a, dtype=float), np.asarray(values_b, dtype=float)
+    if a.ndim != 1 or b.ndim != 1 or not len(a) or not len(b):
+        raise CompareError(f"permutation_test needs two non-empty 1-d value lists, got shapes {a.shape} and {b.shape}")
+    pooled = np.concatenate([a, b])
+    size_a, total = len(a), pooled.sum()
+
+    def spread(index_a: np.ndarray) -> np.ndarray:  # index_a (splits, size_a): |mean(group a) - mean(the rest)|
+        sum_a = pooled[index_a].sum(axis=1)
+        return np.abs(sum_a / size_a - (total - sum_a) / len(b))
+
+    observed = abs(a.mean() - b.mean()) - 1e-12 * max(1.0, float(np.abs(pooled).max()))  # float-sum ties count
+    if math.comb(len(pooled), size_a) <= splits:
+        index_a = np.array(list(itertools.combinations(range(len(pooled)), size_a)))
+        return float(np.mean(spread(index_a) >= observed))
+    rng = np.random.default_rng(seed)
+    index_a = np.argsort(rng.random((splits, len(pooled))), axis=1)[:, :size_a]
+    return float((np.sum(spread(index_a) >= observed) + 1) / (splits + 1))
 
 
 def p_value_text(p: float) -> str:

@@ -20,7 +20,10 @@ sample of the cell. m = n // 4 of the pooled n; the large k is the largest power
 m / 2) (beyond m / 2 the test is unreliable, see docs/evaluation.md); 10,000 iterations by default
 (``--significance-iterations``; the paper's 50,000 take five times as long for a p-value resolution that a table of
 differences rarely needs). Runs without counts (older runs) show "—" and a note; when no run has counts the columns
-are left out.
+are left out. That test sees the sampling noise of the evaluation only; where cells have two or more seeds,
+``report.md``'s "Over seeds" section lists each seed's final pass@1 and pass@k and tests the difference of the means
+over seeds with an exact permutation test over the runs (:func:`fgrpo.compare.permutation_test`), which sees how
+much training varies from seed to seed.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from fgrpo.compare import (AVERAGE, COUNTS_FILE, DEFAULT_ALPHA, CompareError, EvalCounts, aligned_counts,
-                           load_counts, paired_test, pool_counts, p_value_text)
+                           load_counts, paired_test, permutation_test, pool_counts, p_value_text)
 from fgrpo.plots import plot_pass_at_k_panels
 from fgrpo.tracking import read_metrics
 
@@ -339,6 +342,48 @@ def significance_note(significance: Significance | None, iterations: int) -> lis
             *significance.notes]
 
 
+def _seed_key(run: Run) -> tuple:
+    seed = run.config.get("seed")
+    return (0, seed, "") if isinstance(seed, int) else (1, 0, str(seed))
+
+
+def seeds_table(runs: list[Run], k: int) -> tuple[list[str], list[list[str]], list[str]] | None:
+    """Header, rows and notes of the seed-level comparison: per cell, each seed's final pass@1 and pass@k (%, in
+    seed order) and, for gamma != 0, the difference of the means over seeds to gamma = 0 of the same algo with the
+    permutation test's p (fgrpo.compare.permutation_test, each run one value). None when no cell has two seeds."""
+    cells: dict[Cell, list[Run]] = defaultdict(list)
+    for run in sorted((r for r in runs if r.status == "completed"), key=_seed_key):
+        cells[(run.algo, run.gamma)].append(run)
+    if max((len(cell_runs) for cell_runs in cells.values()), default=0) < 2:
+        return None
+    keys = ["eval/pass@1", f"eval/pass@{k}"]
+    header = ["algo", "gamma", "seeds"]
+    for key in keys:
+        header += [f"{key.removeprefix('eval/')} % per seed", "Δ mean vs γ=0"]
+    rows = []
+    for algo, gamma in sorted(cells):
+        cell_runs, base_runs = cells[(algo, gamma)], cells.get((algo, 0.0), [])
+        row = [algo, f"{gamma:g}", ", ".join(str(r.config.get("seed")) for r in cell_runs)]
+        for key in keys:
+            values = [r.final[key] for r in cell_runs if key in r.final]
+            base = [r.final[key] for r in base_runs if key in r.final]
+            row.append(", ".join(f"{100 * v:.1f}" for v in values) or NO_VALUE)
+            if gamma == 0:
+                row.append("ref")
+            elif min(len(values), len(base)) >= 2:
+                difference = 100 * (np.mean(values) - np.mean(base))
+                row.append(f"{difference:+.1f} (p={p_value_text(permutation_test(values, base))})")
+            else:
+                row.append(NO_VALUE)
+        rows.append(row)
+    notes = ["Over seeds: each run's final pass@k is one value; Δ mean is the difference of the means over seeds to "
+             "the gamma=0 row of the same algo, p the two-sided exact permutation test over the runs' labels "
+             "(fgrpo.compare.permutation_test). It sees how much training varies from seed to seed, which the "
+             "pooled test above does not, but with s seeds a side it cannot go below 2 / C(2s, s) (0.1 at 3 seeds, "
+             f"0.0079 at 5). Rows with fewer than 2 seeds on either side show {NO_VALUE}."]
+    return header, rows, notes
+
+
 def build_table(runs: list[Run], significance: Significance | None = None) -> tuple[list[str], list[list[str]], int]:
     """Header, rows (strings) and the largest k. The best mean per column is marked with '*'. With ``significance``,
     its columns follow the pass@k columns."""
@@ -554,18 +599,26 @@ def report(sweep_dir: Path, out_dir: Path | None = None, *,
     plot_curves(runs, out_dir / "report.png")
     drew_rates = plot_success_rates(runs, out_dir / "report_success_rates.png")
     run_header, run_rows = runs_table(runs, k)
+    over_seeds = seeds_table(runs, k)
+    seed_md = seed_text = ""
+    if over_seeds is not None:
+        seed_header, seed_rows, seed_notes = over_seeds
+        seed_md = ("\n## Over seeds\n\n" + format_markdown(seed_header, seed_rows) + "\n\n"
+                   + "\n".join(f"{line}\n" for line in seed_notes))
+        seed_text = "\n".join([format_text(seed_header, seed_rows), *seed_notes, ""])
     (out_dir / "report.md").write_text(
         f"# Sweep report: {sweep_dir}\n\n{note}\n\n{format_markdown(header, rows)}\n"
         + "\n" + "\n".join(f"{line}\n" for line in sig_notes)
         + ("\n" + "\n".join(f"- {line}" for line in failed_lines) + "\n" if failed_lines else "")
         + "\n![pass@k curves](report.png)\n"
+        + seed_md
         + "\n## Runs\n\nBefore → after training; c=0 problems: held-out problems with no correct sample.\n\n"
         + format_markdown(run_header, run_rows) + "\n"
         + ("\n![success rates](report_success_rates.png)\n" if drew_rates else "")
     )
     written = ["report.md", "report.png"] + (["report_success_rates.png"] if drew_rates else [])
     text = "\n".join([format_text(header, rows), "", note, *sig_notes, *failed_lines, "",
-                      format_text(run_header, run_rows), "",
+                      *([seed_text] if seed_text else []), format_text(run_header, run_rows), "",
                       f"wrote {', '.join(str(out_dir / name) for name in written)}"])
     return text
 

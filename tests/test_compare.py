@@ -13,7 +13,8 @@ import yaml
 
 import fgrpo.compare as compare_module
 from fgrpo.compare import (AVERAGE, CompareError, EvalCounts, compare, hypergeometric_cdf, load_counts, main,
-                           paired_test, pass_at_k_table, pool_counts, rescale_factor, subsample_pass_at_k)
+                           paired_test, pass_at_k_table, permutation_test, pool_counts, rescale_factor,
+                           subsample_pass_at_k)
 from fgrpo.metrics import pass_at_k
 
 REPO = Path(__file__).resolve().parents[1]
@@ -275,6 +276,48 @@ def test_counts_outside_0_to_n():
 def test_default_m_needs_n_of_at_least_4():
     with pytest.raises(ValueError, match="m: the default m = n // 4 is 0 for n=3"):
         paired_test({"x": np.array([1])}, {"x": np.array([2])}, 3)
+
+
+# ---------------------------------------------------------------- the seed-level permutation test
+
+
+def brute_force_permutation_p(a, b) -> float:
+    """Every ordering of the pooled values (not just the splits), the first len(a) taken as group a."""
+    pooled, size_a = list(a) + list(b), len(a)
+    observed = abs(np.mean(a) - np.mean(b))
+    hits = [abs(np.mean(order[:size_a]) - np.mean(order[size_a:])) >= observed - 1e-12
+            for order in itertools.permutations(pooled)]
+    return float(np.mean(hits))
+
+
+def test_permutation_test_known_values_and_brute_force():
+    assert permutation_test([1, 2, 3], [4, 5, 6]) == pytest.approx(2 / 20)  # only the observed split and its mirror
+    assert permutation_test([0.4, 0.6], [0.1, 0.3]) == pytest.approx(2 / 6)
+    assert permutation_test([0.5, 0.5], [0.5, 0.5]) == 1.0
+    assert permutation_test([0.7, 0.7], [0.9, 0.7]) == 1.0  # every split differs by the same 0.1
+    rng = np.random.default_rng(0)
+    for size_a, size_b in [(2, 3), (3, 3), (1, 4), (3, 2)]:
+        a, b = rng.random(size_a), rng.random(size_b) + 0.2
+        assert permutation_test(a, b) == pytest.approx(brute_force_permutation_p(a, b))
+        assert permutation_test(a, b) == pytest.approx(permutation_test(b, a))  # two-sided
+
+
+def test_permutation_test_random_splits_approach_the_exact_p_and_are_seeded():
+    rng = np.random.default_rng(1)
+    a, b = rng.random(5), rng.random(5) + 0.3  # 252 splits
+    exact = permutation_test(a, b)
+    drawn = permutation_test(a, b, splits=20_000, seed=3)  # fewer splits allowed than exist: drawn at random
+    assert abs(drawn - exact) < 0.01
+    assert permutation_test(a, b, splits=200, seed=3) == permutation_test(a, b, splits=200, seed=3)
+    assert permutation_test(a, b, splits=200, seed=3) != permutation_test(a, b, splits=200, seed=4)
+    far_apart = permutation_test(np.arange(12), np.arange(12) + 100, splits=999)  # C(24, 12) splits: drawn
+    assert far_apart == pytest.approx(1 / 1000)  # no drawn split as extreme; the +1 keeps it above 0
+
+
+@pytest.mark.parametrize("a, b", [([], [1.0]), ([[1.0, 2.0]], [1.0])])
+def test_permutation_test_bad_input(a, b):
+    with pytest.raises(CompareError, match="two non-empty 1-d value lists"):
+        permutation_test(a, b)
 
 
 # ---------------------------------------------------------------- loading and mismatches

@@ -315,6 +315,29 @@ def test_significance_iterations_flag(tmp_path, capsys):
     assert exit_info.value.code == 2 and "--significance-iterations must be >= 1" in capsys.readouterr().err
 
 
+def test_over_seeds_section_per_seed_values_and_permutation_p(tmp_path):
+    text = report(write_sweep(tmp_path))
+    md = (tmp_path / "report.md").read_text()
+    assert "| algo | gamma | seeds | pass@1 % per seed | Δ mean vs γ=0 | pass@4 % per seed | Δ mean vs γ=0 |" in md
+    # grpo gamma=1 pass@1 (40, 60) against (10, 30): +30 points; of the 6 splits of 4 runs, 2 are that far apart
+    assert "| grpo | 1 | 0, 1 | 40.0, 60.0 | +30.0 (p=0.3333) | 60.0, 60.0 | +0.0 (p=1.0000) |" in md
+    assert "| cispo | 0 | 0, 1 | 20.0, 20.0 | ref | 90.0, 70.0 | ref |" in md
+    assert "| cispo | 1 | 0, 1 | 30.0, 50.0 | +20.0 (p=0.3333) | 70.0, 70.0 | -10.0 (p=1.0000) |" in md
+    assert "cannot go below 2 / C(2s, s)" in md and "Over seeds: each run's final pass@k is one value" in text
+    assert md.index("## Over seeds") < md.index("## Runs")
+
+
+def test_over_seeds_section_left_out_with_one_seed_per_cell_and_dashes_for_a_lone_seed(tmp_path):
+    for num, (algo, gamma) in enumerate([("grpo", 0.0), ("grpo", 1.0)]):
+        write_run(tmp_path / "one" / str(num), algo, gamma, 0, 0.2, 0.5, job_num=num)
+    report(tmp_path / "one")
+    assert "Over seeds" not in (tmp_path / "one" / "report.md").read_text()
+    for num, (gamma, seed) in enumerate([(0.0, 0), (0.0, 1), (1.0, 0)]):
+        write_run(tmp_path / "uneven" / str(num), "grpo", gamma, seed, 0.2, 0.5, job_num=num)
+    report(tmp_path / "uneven")
+    assert "| grpo | 1 | 0 | 20.0 | — | 50.0 | — |" in (tmp_path / "uneven" / "report.md").read_text()
+
+
 # ---------------------------------------------------------------- the runs table and the success-rate figure
 
 
