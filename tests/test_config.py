@@ -34,6 +34,14 @@ def test_paper_values_per_algorithm(compose):
     assert compose("focal=fgrpo").focal.gamma == 1.0
 
 
+def test_path_valued_overrides_stay_out_of_a_sweep_job_directory_name(compose):
+    """A '/' in hydra.sweep.subdir would nest a sweep job's run directory under folders named after the path."""
+    paths = ["model.path=org/model", "dataset.train.path=data/train.jsonl", "dataset.eval.0.path=data/eval.jsonl",
+             "eval.model=outputs/run", "eval.rare_set=docs/results/arith_headroom/rare_set"]
+    cfg = compose("dataset=local", "seed=1", *paths, hydra=True)
+    assert cfg.hydra.job.override_dirname == "dataset=local,seed=1"
+
+
 def test_schema_rejects_misspelt_key(compose, tmp_path):
     with pytest.raises(ConfigCompositionException, match="clip_lowx"):
         compose("algo.clip_lowx=0.3")
