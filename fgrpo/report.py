@@ -47,8 +47,9 @@ from fgrpo.tracking import read_metrics
 CELL_KEYS = ("algo.name", "focal.gamma")
 # what `auto` settles per job from the machine it runs on (fgrpo.precision), written into its saved config
 SETTLED_KEYS = {"hardware.autocast_dtype", "hardware.sampler_dtype", "hardware.keep_matmul_outputs_gib"}
+# (eval.before and eval.rare_set measure more or less of a run, not how it trains: a sweep run in parts may differ)
 FREE_KEYS = ("seed", "run_name", "logger.group", "logger.tags", "logger.mode", "trainer.save_final",
-             "trainer.profile_step", "eval.before")
+             "trainer.profile_step", "eval.before", "eval.rare_set")
 SIGNIFICANCE_ITERATIONS = 10_000  # per compared row: about 3 s at the paper's size (6 x 500 problems, 8 x 1024 samples)
 NO_VALUE = "—"
 

@@ -393,14 +393,15 @@ def test_runs_table_without_counts_and_no_success_rate_figure(tmp_path):
 
 def test_runs_without_an_evaluation_before_training_pool_with_those_with_one(tmp_path):
     counts = write_sweep_with_counts(tmp_path)
-    for run_dir in [p for p in tmp_path.iterdir() if "seed=1" in p.name]:  # as with eval.before=false
+    for run_dir in [p for p in tmp_path.iterdir() if "seed=1" in p.name]:  # eval.before=false eval.rare_set=rare/
         config_file = run_dir / ".hydra" / "config.yaml"
         config = yaml.safe_load(config_file.read_text())
-        config_file.write_text(yaml.safe_dump({**config, "eval": {**config["eval"], "before": False}}))
+        config_file.write_text(yaml.safe_dump({**config, "eval": {**config["eval"], "before": False,
+                                                                  "rare_set": "rare/"}}))
         for name in ("metrics.jsonl", "eval_counts.jsonl"):
             rows = [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
             (run_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] != 0))
-    text = report(tmp_path)  # eval.before differs between the runs: still one table
+    text = report(tmp_path)  # eval.before and eval.rare_set differ between the runs: still one table
     assert table_rows(text)[("grpo", 1.0)] == (2, "50.0 +- 14.1*", "60.0 +-  0.0")
     table = runs_section((tmp_path / "report.md").read_text())
     never_after = sum(int(np.sum(c == 0)) for c in counts[("grpo", 0.0, 1)].values())
