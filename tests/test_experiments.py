@@ -43,8 +43,11 @@ def test_the_committed_arith_headroom_runs_report_the_numbers_of_docs_results(tm
     runs = Path(__file__).resolve().parents[1] / "docs" / "results" / "arith_headroom" / "runs"
     text = report(runs, tmp_path)
     table = text.split("\n\n")[0]
-    assert "grpo  0      1       55.6 +-  0.0*   81.7 +-  0.0*" in table
-    assert "grpo  1      1       53.7 +-  0.0    81.7 +-  0.0*  -1.9 (p=0.0012)" in table
+    assert "grpo  0      3       56.2 +-  5.2    77.2 +-  6.3   ref              ref" in table
+    assert "grpo  1      3       57.4 +-  4.2*   83.3 +-  6.0*  +1.2 (p=0.0034)  +3.0 (p=0.0002)" in table
     md = (tmp_path / "report.md").read_text()
+    assert "| grpo | 1 | 0, 1, 2 | 53.7, 62.0, 56.5 | +1.2 (p=0.7000) | 81.7, 78.3, 90.0 | +6.1 (p=0.5000) |" in md
     assert "| grpo | 0 | 0 | 11.9 → 55.6 | 71.7 → 81.7 | 17 → 11 | +0.533 |" in md
     assert "| grpo | 1 | 0 | — → 53.7 | — → 81.7 | — → 11 | +0.362 |" in md
+    assert "| grpo | 0 | 2 | — → 51.3 | — → 70.0 | — → 18 | +0.455 |" in md
+    assert "| grpo | 1 | 2 | — → 56.5 | — → 90.0 | — → 6 | +0.372 |" in md
