@@ -22,7 +22,7 @@ m / 2) (beyond m / 2 the test is unreliable, see docs/evaluation.md); 10,000 ite
 differences rarely needs). Runs without counts (older runs) show "—" and a note; when no run has counts the columns
 are left out. That test sees the sampling noise of the evaluation only; where cells have two or more seeds,
 ``report.md``'s "Over seeds" section lists each seed's final pass@1 and pass@k and tests the difference of the means
-over seeds with an exact permutation test over the runs (:func:`fgrpo.compare.permutation_test`), which sees how
+over seeds with a permutation test over the runs (:func:`fgrpo.compare.permutation_test`), which sees how
 much training varies from seed to seed.
 """
 
@@ -378,8 +378,8 @@ def seeds_table(runs: list[Run], k: int) -> tuple[list[str], list[list[str]], li
                 row.append(NO_VALUE)
         rows.append(row)
     notes = ["Over seeds: each run's final pass@k is one value; Δ mean is the difference of the means over seeds to "
-             "the gamma=0 row of the same algo, p the two-sided exact permutation test over the runs' labels "
-             "(fgrpo.compare.permutation_test). It sees how much training varies from seed to seed, which the "
+             "the gamma=0 row of the same algo, p the two-sided permutation test over the runs' labels "
+             "(fgrpo.compare.permutation_test: exact up to 100,000 splits, random splits beyond). It sees how much training varies from seed to seed, which the "
              "pooled test above does not, but with s seeds a side it cannot go below 2 / C(2s, s) (0.1 at 3 seeds, "
              f"0.0079 at 5). Rows with fewer than 2 seeds on either side show {NO_VALUE}."]
     return header, rows, notes
