@@ -39,7 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from fgrpo.compare import (AVERAGE, COUNTS_FILE, DEFAULT_ALPHA, CompareError, EvalCounts, aligned_counts,
-                           load_counts, paired_test, permutation_test, pool_counts, p_value_text)
+                           PERMUTATION_SPLITS, load_counts, paired_test, permutation_test, pool_counts,
+                           p_value_text)
 from fgrpo.plots import plot_pass_at_k_panels
 from fgrpo.tracking import read_metrics
 
@@ -249,6 +250,19 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 Cell = tuple[str, float]  # (algo, gamma)
 
 
+def _seed_key(run: Run) -> tuple:
+    seed = run.config.get("seed")
+    return (0, seed, "") if isinstance(seed, int) else (1, 0, str(seed))
+
+
+def completed_cells(runs: list[Run]) -> dict[Cell, list[Run]]:
+    """The completed runs by table cell (algo, gamma), each cell's runs in seed order."""
+    cells: dict[Cell, list[Run]] = defaultdict(list)
+    for run in sorted((r for r in runs if r.status == "completed"), key=_seed_key):
+        cells[(run.algo, run.gamma)].append(run)
+    return cells
+
+
 @dataclass
 class Significance:
     """The significance columns of the table: their header, the cells of each row, and the notes under the table."""
@@ -275,9 +289,7 @@ def significance_columns(runs: list[Run], largest_k: int, *, iterations: int = S
     completed = [r for r in runs if r.status == "completed"]
     if not any((r.path / COUNTS_FILE).is_file() for r in completed):
         return None
-    cells: dict[Cell, list[Run]] = defaultdict(list)
-    for run in completed:
-        cells[(run.algo, run.gamma)].append(run)
+    cells = completed_cells(runs)
     pooled: dict[Cell, EvalCounts] = {}
     notes = []
     for cell, cell_runs in sorted(cells.items()):
@@ -343,18 +355,11 @@ def significance_note(significance: Significance | None, iterations: int) -> lis
             *significance.notes]
 
 
-def _seed_key(run: Run) -> tuple:
-    seed = run.config.get("seed")
-    return (0, seed, "") if isinstance(seed, int) else (1, 0, str(seed))
-
-
 def seeds_table(runs: list[Run], k: int) -> tuple[list[str], list[list[str]], list[str]] | None:
     """Header, rows and notes of the seed-level comparison: per cell, each seed's final pass@1 and pass@k (%, in
     seed order) and, for gamma != 0, the difference of the means over seeds to gamma = 0 of the same algo with the
     permutation test's p (fgrpo.compare.permutation_test, each run one value). None when no cell has two seeds."""
-    cells: dict[Cell, list[Run]] = defaultdict(list)
-    for run in sorted((r for r in runs if r.status == "completed"), key=_seed_key):
-        cells[(run.algo, run.gamma)].append(run)
+    cells = completed_cells(runs)
     if max((len(cell_runs) for cell_runs in cells.values()), default=0) < 2:
         return None
     keys = ["eval/pass@1", f"eval/pass@{k}"]
@@ -379,9 +384,10 @@ def seeds_table(runs: list[Run], k: int) -> tuple[list[str], list[list[str]], li
         rows.append(row)
     notes = ["Over seeds: each run's final pass@k is one value; Δ mean is the difference of the means over seeds to "
              "the gamma=0 row of the same algo, p the two-sided permutation test over the runs' labels "
-             "(fgrpo.compare.permutation_test: exact up to 100,000 splits, random splits beyond). It sees how much training varies from seed to seed, which the "
-             "pooled test above does not, but with s seeds a side it cannot go below 2 / C(2s, s) (0.1 at 3 seeds, "
-             f"0.0079 at 5). Rows with fewer than 2 seeds on either side show {NO_VALUE}."]
+             f"(fgrpo.compare.permutation_test: exact up to {PERMUTATION_SPLITS:,} splits, random splits beyond). "
+             "It sees how much training varies from seed to seed, which the pooled test above does not, but with s "
+             "seeds a side it cannot go below 2 / C(2s, s) (0.1 at 3 seeds, 0.0079 at 5). Rows with fewer than 2 "
+             f"seeds on either side show {NO_VALUE}."]
     return header, rows, notes
 
 
@@ -392,9 +398,7 @@ def build_table(runs: list[Run], significance: Significance | None = None) -> tu
     if not completed:
         raise ReportError("every run of this sweep failed; see the log paths above")
     k = _largest_k(completed)
-    cells: dict[tuple[str, float], list[Run]] = defaultdict(list)
-    for run in completed:
-        cells[(run.algo, run.gamma)].append(run)
+    cells = completed_cells(runs)
     columns = ["eval/pass@1", f"eval/pass@{k}"]
     stats = {
         cell: [_mean_std([r.final[c] for r in cell_runs if c in r.final]) for c in columns]
@@ -494,9 +498,7 @@ def plot_success_rates(runs: list[Run], path: Path) -> bool:
     from matplotlib.figure import Figure
 
     completed = [r for r in runs if r.status == "completed"]
-    cells: dict[Cell, list[Run]] = defaultdict(list)
-    for run in completed:
-        cells[(run.algo, run.gamma)].append(run)
+    cells = completed_cells(runs)
     befores = [rates for r in completed if r.before and (rates := _rates(r, 0)) is not None]
     afters = {cell: [rates for r in cell_runs if (rates := _rates(r, r.final.get("step"))) is not None]
               for cell, cell_runs in sorted(cells.items())}
