@@ -75,6 +75,8 @@ def compose_config(spec: dict, seed: int = 0):
         f"trainer.steps={steps}", f"trainer.lr={lr}", "trainer.warmup_steps=0", f"sampler.max_new_tokens={t}",
         "sampler.temperature=1.0", "sampler.top_p=1.0", "logger=none", "eval.max_problems=1", "eval.n_samples=1",
         "eval.every=0", f"seed={seed}",
+        # room for the prompt beside long completions (a prompt here is about 44 tokens)
+        f"sampler.max_model_len={max(512, t + 256)}",
     ] + ([f"sampler={spec['sampler']}"] if spec.get("sampler") else []) + list(spec.get("overrides", []))
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose("config", overrides=overrides)

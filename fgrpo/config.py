@@ -102,7 +102,8 @@ class HardwareConfig:
     share_prompts: bool = False
     threads: int = 0  # torch threads on CPU; 0 = all cores
     # the learner's attention kernel: sdpa | eager (faster for short sequences on CPU) | segments (eager over
-    # each prompt and completion's own keys in packed rows: fgrpo.segment_attention)
+    # each prompt and completion's own keys in packed rows: fgrpo.segment_attention) | flex (torch's flex_attention
+    # over packed rows with a prompt/completion block mask, CUDA only: fgrpo.flex_attention)
     attention: str = "sdpa"
     compile_learner: bool = False  # torch.compile the learner's decoder layers (needs a C++ compiler on CPU)
     sampler_kv_cache_gib: float = 2.0  # vLLM on CPU: KV cache size
@@ -275,6 +276,9 @@ def validate(cfg: DictConfig | Config) -> None:
     need(tokens is None or tokens >= 1, "hardware.micro_batch_tokens", tokens, "must be >= 1, or null to pad each sequence")
     need(cfg.hardware.attention in ATTENTIONS, "hardware.attention", cfg.hardware.attention,
          f"must be one of {ATTENTIONS}")
+    need(cfg.hardware.attention != "flex" or cfg.hardware.device == "cuda", "hardware.attention", "flex",
+         "runs on CUDA only (torch's flex_attention has no backward on the CPU): on the CPU set "
+         "hardware.attention=segments (the CPU's packed kernel), or use hardware=gpu")
     need(not cfg.hardware.get("share_prompts") or tokens is not None, "hardware.share_prompts", True,
          "needs packed rows: set hardware.micro_batch_tokens (e.g. 4096), or hardware.share_prompts=false")
     kept = cfg.hardware.keep_matmul_outputs_gib

@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 log = logging.getLogger("fgrpo")
 
-# a collective that waits longer than this fails instead of hanging (a rank that died, a mismatched call)
-DEFAULT_TIMEOUT_S = 1800
+# a collective that waits longer than this fails instead of hanging (a rank that died, a mismatched call);
+# FGRPO_COLLECTIVE_TIMEOUT_S shortens it, e.g. for tests, where a hang must fail soon
+DEFAULT_TIMEOUT_S = float(os.environ.get("FGRPO_COLLECTIVE_TIMEOUT_S", 1800))
 # How long close() leaves the GIL free for gloo's worker threads before the interpreter may start its exit (see close)
 GLOO_DRAIN_S = 0.25
 _joined_group = False  # set once this process joins a process group
@@ -78,16 +79,25 @@ def launched_world_size() -> int:
     return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
 
 
+def launcher_rendezvous() -> bool:
+    """Whether a launcher (torchrun, even with one process) named where the ranks meet: all that ``env://`` reads."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def init_from_env(*, timeout_s: float = DEFAULT_TIMEOUT_S, single_process_group: bool = False) -> Ranks:
     """Join the run's process group (once; later calls return the same ranks). World size 1: no group, unless
-    ``single_process_group`` (FSDP2 in one process, ``hardware.fsdp``) asks for a group of one.
+    ``single_process_group`` (FSDP2 in one process, ``hardware.fsdp``) asks for a group of one: through the launcher's
+    rendezvous under torchrun, else on a free local port of its own (``python run.py``, one Slurm task).
 
     Under Slurm without torchrun, each task exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from
     Slurm's variables (submitit's TorchDistributedEnvironment) first."""
     if launched_world_size() == 1:
         if single_process_group and not dist.is_initialized():
-            _join("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", timeout_s,
-                  init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            # under torchrun (TORCHELASTIC_USE_AGENT_STORE) every store is a client of its agent's: one on a port of
+            # our own would wait for a server that never starts (a hang), so join where the launcher says
+            where = {} if launcher_rendezvous() else dict(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                                          world_size=1)
+            _join("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", timeout_s, **where)
         return SINGLE
     if "RANK" not in os.environ:
         from submitit.helpers import TorchDistributedEnvironment

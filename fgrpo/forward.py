@@ -1,8 +1,9 @@
 """The learner's forward: token log-probs (and entropies) of sampled completions under the policy.
 
 Rows come from fgrpo.packing; the LM head runs only on completion positions (fgrpo.logprobs.token_logprobs), so no
-``[B, L, vocab]`` logits tensor is built for prompt tokens. Three attention paths: transformers' own mask from the
-position ids (packed rows), an explicit mask (shared prompts, eager or sdpa), or fgrpo.segment_attention.
+``[B, L, vocab]`` logits tensor is built for prompt tokens. Four attention paths: transformers' own mask from the
+position ids (packed rows), an explicit mask (shared prompts, eager or sdpa), fgrpo.segment_attention (the CPU's)
+or fgrpo.flex_attention (CUDA's), the last two over one packed row per micro-batch.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import torch
 
 from fgrpo.logprobs import at_least_fp32, token_logprobs
 from fgrpo.packing import Sequence, lay_out_rows
+from fgrpo.flex_attention import BLOCK, FLEX_ATTENTION, block_mask, slot_labels
 from fgrpo.segment_attention import SEGMENT_ATTENTION, segment_buckets
 
-# hardware.attention: transformers' sdpa or eager kernels, or fgrpo.segment_attention in packed rows
-ATTENTIONS = ("sdpa", "eager", "segments")
+# hardware.attention: transformers' sdpa or eager kernels, fgrpo.segment_attention or fgrpo.flex_attention in packed rows
+ATTENTIONS = ("sdpa", "eager", "segments", "flex")
 
 
 def mixed_precision(device_type: str, dtype: torch.dtype | None):
@@ -58,11 +60,12 @@ def completion_logprobs(
     (eager or sdpa attention). With segment attention (fgrpo.segment_attention) no mask is built:
     each prompt copy and completion is handed its own keys as index tensors instead.
     """
-    device = next(model.parameters()).device
+    device = compute_device(model)
     if rows is None:
         rows = [[i] for i in range(len(seqs))]
-    segments = uses_segment_attention(model)
-    layout = lay_out_rows(seqs, rows, pad_id, device, share_prompts=share_prompts, dense_mask=not segments)
+    segments = packs_one_row(model)
+    layout = lay_out_rows(seqs, rows, pad_id, device, share_prompts=share_prompts, dense_mask=not segments,
+                          width_multiple=row_multiple(model))
     targets = torch.tensor([t for s in seqs for t in s.completion_ids], dtype=torch.long, device=device)
     head = model.get_output_embeddings()
     fused = fused_head and not (with_entropy and entropy_grad) and getattr(head, "bias", None) is None
@@ -83,6 +86,16 @@ def completion_logprobs(
     if with_entropy:
         entropy = torch.zeros(mask.shape, dtype=flat_entropy.dtype, device=device).masked_scatter(mask, flat_entropy)
     return logp, mask, entropy
+
+
+def compute_device(model) -> torch.device:
+    """Where ``model`` computes: its parameters' device, or, for a learner sharded with CPU offload (FSDP2 keeps the
+    parameters in CPU memory between uses), its mesh's device, where the inputs must be."""
+    param = next(model.parameters())
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is not None and mesh.device_type != param.device.type:
+        return torch.device(mesh.device_type, torch.cuda.current_device() if mesh.device_type == "cuda" else None)
+    return param.device
 
 
 def _logprobs_pass(model, input_ids, position_ids, predict_at, targets, attention_inputs: dict, *, temperature: float,
@@ -134,12 +147,15 @@ def _attention_inputs(model, layout, segments: bool) -> dict:
     """What the base model needs besides ids and positions to keep the row's sequences apart."""
     if not segments:  # None: transformers builds its packed-sequence mask from the position ids
         return {"attention_mask": None if layout.allowed is None else _attention_mask(model, layout.allowed)}
-    # each segment gathers its own keys; an empty 4D mask, which transformers passes on as it is, keeps it from
-    # building a [R, 1, W, W] one from the positions
+    # each segment gathers its own keys, or flex reads its block mask; an empty 4D mask, which transformers passes on
+    # as it is, keeps it from building a [R, 1, W, W] one from the positions
     device = layout.input_ids.device
+    empty_mask = torch.ones(layout.input_ids.shape[0], 1, 0, 0, dtype=torch.bool, device=device)
+    if model.config._attn_implementation == FLEX_ATTENTION:
+        labels = slot_labels(layout.unit_of, layout.completion_of).to(device)
+        return {"attention_mask": empty_mask, "flex_block_mask": block_mask(labels)}
     queries, keys, allowed = segment_buckets(layout.segments, layout.input_ids.numel(), device)
-    return {"attention_mask": torch.ones(layout.input_ids.shape[0], 1, 0, 0, dtype=torch.bool, device=device),
-            "segment_queries": queries, "segment_keys": keys, "segment_allowed": allowed}
+    return {"attention_mask": empty_mask, "segment_queries": queries, "segment_keys": keys, "segment_allowed": allowed}
 
 
 def _plain_head_logprobs(logits, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
@@ -171,9 +187,15 @@ def _attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
 
 
 
-def uses_segment_attention(model) -> bool:
-    """Whether ``model`` attends through fgrpo.segment_attention (hardware.attention=segments)."""
-    return model.config._attn_implementation == SEGMENT_ATTENTION
+def packs_one_row(model) -> bool:
+    """Whether ``model`` attends through fgrpo.segment_attention or fgrpo.flex_attention (hardware.attention=segments
+    or flex): one packed row per micro-batch, whose width costs no attention work for masked-out pairs."""
+    return model.config._attn_implementation in (SEGMENT_ATTENTION, FLEX_ATTENTION)
+
+
+def row_multiple(model) -> int:
+    """What a packed row's width is rounded up to: flex attention's tile, else 1 (no padding)."""
+    return BLOCK if model.config._attn_implementation == FLEX_ATTENTION else 1
 
 
 def attention_width_cost(model) -> float:
@@ -182,9 +204,9 @@ def attention_width_cost(model) -> float:
     Per token, a layer's matmuls take ``2 * P`` FLOPs (P: its parameters) and attention over a row of
     width W ``4 * W * hidden`` (scores and weighted sum; the eager kernel computes the masked ones
     too), so the ratio is ``W * 2 * hidden / P``. 0 where the model has no decoder-layer list, and with
-    segment attention, whose work does not grow with the row width (each segment's keys are gathered).
+    segment or flex attention, whose work does not grow with the row width (masked-out pairs are skipped).
     """
-    if uses_segment_attention(model):
+    if packs_one_row(model):
         return 0.0
     layers = getattr(model.base_model, "layers", None)
     hidden = getattr(model.config, "hidden_size", None)

@@ -18,7 +18,7 @@ import torch
 
 from fgrpo import distributed
 from fgrpo.compiled_layers import compile_decoder_layers, keep_matmul_outputs, matmul_output_bytes
-from fgrpo.forward import PolicyPass, attention_width_cost, completion_logprobs, uses_segment_attention
+from fgrpo.forward import PolicyPass, attention_width_cost, completion_logprobs, packs_one_row, row_multiple
 from fgrpo.losses import LossSettings, policy_loss
 from fgrpo.packing import MicroBatch, Sequence, micro_batches
 from fgrpo.process_memory import release_freed_memory
@@ -194,7 +194,7 @@ def matched_micro_batches(model, seqs: list[Sequence], *, pad_id: int, micro_bat
     real. Each forward and backward of a sharded model is a collective: a rank that ran one fewer would leave the
     others waiting forever. A filler is one pad-token sequence whose loss counts zero."""
     layout = dict(size=micro_batch_size, tokens=micro_batch_tokens, width_cost=attention_width_cost(model),
-                  share_prompts=share_prompts, one_row=uses_segment_attention(model))
+                  share_prompts=share_prompts, one_row=packs_one_row(model), row_multiple=row_multiple(model))
     micros = list(micro_batches(seqs, **layout))
     real = len(micros)
     most = int(distributed.max_over_ranks([real])[0])

@@ -197,23 +197,29 @@ def load_tokenizer(folder: Path):
 
 
 def load_policy(folder: Path, *, dtype: str, device: str, attention: str = "sdpa"):
-    """The trainable model, in train mode, on ``device``, with ``attention`` (sdpa | eager | segments) as its kernel.
+    """The trainable model, in train mode, on ``device``, with ``attention`` (sdpa | eager | segments | flex) as its
+    kernel.
 
-    ``segments``: fgrpo.segment_attention in the learner's packed rows (eager attention elsewhere);
-    only for the architectures in ``SEGMENT_ATTENTION_MODELS``.
+    ``segments`` (fgrpo.segment_attention, eager attention elsewhere) and ``flex`` (fgrpo.flex_attention, sdpa
+    elsewhere) in the learner's packed rows; only for the architectures they list.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if attention == "segments":
+    if attention in ("segments", "flex"):
         from fgrpo.config import ConfigError
-        from fgrpo.segment_attention import SEGMENT_ATTENTION, SEGMENT_ATTENTION_MODELS
 
+        if attention == "segments":
+            from fgrpo.segment_attention import SEGMENT_ATTENTION as implementation
+            from fgrpo.segment_attention import SEGMENT_ATTENTION_MODELS as supported
+        else:
+            from fgrpo.flex_attention import FLEX_ATTENTION as implementation
+            from fgrpo.flex_attention import FLEX_ATTENTION_MODELS as supported
         model_type = AutoConfig.from_pretrained(folder).model_type
-        if model_type not in SEGMENT_ATTENTION_MODELS:
-            raise ConfigError(f"hardware.attention=segments supports {', '.join(SEGMENT_ATTENTION_MODELS)} models, "
+        if model_type not in supported:
+            raise ConfigError(f"hardware.attention={attention} supports {', '.join(supported)} models, "
                               f"not {model_type!r}: set hardware.attention=eager (or sdpa)")
-        attention = SEGMENT_ATTENTION
+        attention = implementation
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, TORCH_DTYPES[dtype]),
                                                  attn_implementation=attention)
     model.to(device)

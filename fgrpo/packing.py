@@ -33,11 +33,15 @@ class RowLayout:
     # (query start, query length, prompt start, prompt length) in flat slots: each prompt copy (prompt length 0)
     # and each completion; what fgrpo.segment_attention computes instead of the dense masked square
     segments: list[tuple[int, int, int, int]]
+    # [R, W] each slot's unit (a prompt copy and its completions; each padding slot one of its own) and completion
+    # (its index in seqs; -1: a prompt): what fgrpo.flex_attention builds its block mask from
+    unit_of: torch.Tensor | None = None
+    completion_of: torch.Tensor | None = None
 
 
 def lay_out_rows(
     seqs: list[Sequence], rows: list[list[int]], pad_id: int, device, *, share_prompts: bool = False,
-    dense_mask: bool = True,
+    dense_mask: bool = True, width_multiple: int = 1,
 ) -> RowLayout:
     """Token ids, positions and the prediction index for ``seqs`` laid out in ``rows`` (indices into ``seqs``).
 
@@ -49,13 +53,14 @@ def lay_out_rows(
     completion the log-probs of its own unshared sequence while the prompt is computed once.
     ``predict_at`` lists, sequence by sequence in ``seqs``' order, where each completion token is
     predicted from: the prompt's last token for the first, then the completion's own tokens.
-    ``dense_mask=False`` leaves ``allowed`` out (segment attention reads ``segments`` instead).
+    ``dense_mask=False`` leaves ``allowed`` out (segment and flex attention read ``segments`` or the slot labels
+    instead). ``width_multiple``: rows padded to a multiple of it (flex attention's tile).
     """
     if any(not seqs[i].prompt_ids for row in rows for i in row):  # a first completion token needs a predictor
         raise ValueError("a sequence needs at least one prompt token (e.g. BOS)")
     units = [prompt_units(seqs, row, share_prompts) for row in rows]
     fills = [units_length(seqs, row_units) for row_units in units]
-    width = max(fills)
+    width = -(-max(fills) // width_multiple) * width_multiple
     shared = any(len(u) > 1 for row_units in units for u in row_units)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -95,7 +100,7 @@ def lay_out_rows(
         key_visible = (completion_of[:, None, :] == -1) | (completion_of[:, None, :] == completion_of[:, :, None])
         allowed = (causal & same_unit & key_visible)[:, None].to(device)
     return RowLayout(input_ids.to(device), position_ids.to(device), torch.cat(predict_at).to(device), allowed,
-                     sum(fills), segments)
+                     sum(fills), segments, unit_of, completion_of)
 
 
 def prompt_units(seqs: list[Sequence], row: list[int], share_prompts: bool) -> list[list[int]]:
@@ -145,7 +150,7 @@ class MicroBatch:
 
 def micro_batches(
     seqs: list[Sequence], *, size: int, tokens: int | None = None, width_cost: float = 0.0,
-    share_prompts: bool = False, one_row: bool = False,
+    share_prompts: bool = False, one_row: bool = False, row_multiple: int = 1,
 ) -> list[MicroBatch]:
     """Split a step's sequences for gradient accumulation.
 
@@ -163,7 +168,8 @@ def micro_batches(
     micro-batch is one row without padding; sequences, or groups whole or in parts, are packed into
     micro-batches by the tokens they hold, and the choice with the fewest slots (then micro-batches) is kept. The
     batch dimension is then always 1, which torch.compile would otherwise recompile for when it first
-    turns up.
+    turns up. ``row_multiple``: each such row is padded to a multiple of it (flex attention's tile), counted in
+    ``padded_tokens``.
     """
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
     if tokens is None:
@@ -186,7 +192,7 @@ def micro_batches(
             units = [group[k::parts] for group in groups.values() for k in range(min(parts, len(group)))]
             pieces.append((units, [units_length(seqs, [u]) for u in units], True))
     if one_row:
-        return _one_row_micro_batches(seqs, pieces, tokens)
+        return _one_row_micro_batches(seqs, pieces, tokens, row_multiple)
     # candidate layouts: (rows of sequence indices, the tokens each row holds, whether prompts are shared)
     layouts = [pieces[0]]
     for units, unit_lengths, shared in pieces:
@@ -211,7 +217,7 @@ def micro_batches(
 
 
 def _one_row_micro_batches(
-    seqs: list[Sequence], pieces: list[tuple[list[list[int]], list[int], bool]], tokens: int
+    seqs: list[Sequence], pieces: list[tuple[list[list[int]], list[int], bool]], tokens: int, row_multiple: int = 1,
 ) -> list[MicroBatch]:
     """Each candidate's units packed into micro-batches of at most ``tokens`` slots, each laid out as one row; the
     candidate with the fewest slots in all, then the fewest micro-batches. A unit over ``tokens`` goes alone."""
@@ -227,8 +233,8 @@ def _one_row_micro_batches(
         key = (sum(slots for _, slots in batches), len(batches))
         if key < best_key:
             best, best_shared, best_key = batches, shared, key
-    return [MicroBatch([seqs[i] for i in order], [list(range(len(order)))], slots, slots, best_shared)
-            for order, slots in best]
+    return [MicroBatch([seqs[i] for i in order], [list(range(len(order)))], -(-slots // row_multiple) * row_multiple,
+                       slots, best_shared) for order, slots in best]
 
 
 

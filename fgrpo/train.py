@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from fgrpo import checkpoint, distributed, rare_nll
 from fgrpo.advantages import focal_group_advantages, focal_weight, success_rate
 from fgrpo.compiled_layers import auto_kept_matmul_gib, require_cpp_compiler
+from fgrpo.flex_attention import require_flex
 from fgrpo.config import ConfigError, experiment_differences, to_container, validate, validate_layout
 from fgrpo.distributed import SINGLE, Ranks
 from fgrpo.data import Problem, arithmetic_problems, build_prompt, load_problems
@@ -250,6 +251,8 @@ def _check_inputs(cfg: DictConfig, world: int) -> tuple[Data, object, Path]:
         raise ConfigError("hardware=gpu (hardware.device=cuda) but torch sees no CUDA device: use hardware=cpu")
     if hw.compile_learner and hw.device == "cpu":
         require_cpp_compiler()
+    if hw.attention == "flex":
+        require_flex(hw.device)
     folder = resolve_model_folder(cfg.model)
     if hw.device == "cuda":
         check_learner_fits_gpus(folder, cfg, world)

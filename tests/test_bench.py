@@ -40,6 +40,25 @@ def test_parse_workload():
             bench.parse_workload(bad)
 
 
+def test_a_long_workload_leaves_room_for_its_prompts():
+    """16x8x512 (the GPU check's) once stopped at fgrpo's prompt-length check: 512 new tokens in a 512-token model."""
+    from fgrpo.train import prepare
+
+    cfg = load_module().compose_config({"workload": (16, 8, 512), "model": "tiny_random", "steps": 2, "lr": 1e-6,
+                                        "sampler": "hf"})
+    assert cfg.sampler.max_model_len >= 512 + 64
+    prepare(cfg)  # raises ConfigError when a prompt plus 512 tokens does not fit
+
+
+def test_learner_step_bench_runs_and_prints_its_row():
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "learner_step.py"), "--device", "cpu", "--model",
+                           "tiny_random", "--workload", "2x4x8", "--steps", "2", "--set", "compile_learner=false"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = done.stdout.strip().splitlines()[-1]
+    assert row.startswith("| cpu | tiny_random 2x4x8 | compile_learner=false |") and "TFLOP/s" in row
+
+
 def test_missing_trl_says_how_to_install(monkeypatch, capsys):
     bench = load_module()
     monkeypatch.setattr(bench, "trl_available", lambda: False)

@@ -82,7 +82,7 @@ def test_unknown_group_option_lists_choices(compose):
         ("sampler.temperature=0", "sampler.temperature"),
         ("eval.n_samples=0", "eval.n_samples"),
         ("logger.mode=sometimes", "logger.mode"),
-        ("hardware.attention=flash", "hardware.attention='flash': must be one of ('sdpa', 'eager', 'segments')"),
+        ("hardware.attention=flash", "hardware.attention='flash': must be one of ('sdpa', 'eager', 'segments', 'flex')"),
         ("hardware.sampler_kv_cache_gib=0", "hardware.sampler_kv_cache_gib=0.0: must be > 0"),
         ("hardware.autocast_dtype=fp16", "hardware.autocast_dtype='fp16': must be auto (bfloat16 where this machine "
                                          "runs it natively), float32 or null (no autocast), bfloat16 or float16"),

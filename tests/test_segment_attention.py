@@ -99,18 +99,24 @@ def test_segment_attention_gives_the_dense_masked_outputs_and_gradients(dtype, a
         torch.testing.assert_close(ours_grad.float(), dense_grad.float(), atol=atol * 10, rtol=atol * 10)
 
 
-def test_without_segments_it_is_eager_attention(tiny_model):
-    """Generation (sampler=hf) and plain forwards pass no segments: eager attention with its causal mask."""
-    eager = copy.deepcopy(tiny_model).eval()
-    eager.set_attn_implementation("eager")
-    segments = copy.deepcopy(eager)
-    segments.set_attn_implementation(SEGMENT_ATTENTION)
+def assert_without_inputs_it_is(model, implementation: str, fallback: str) -> None:
+    """``implementation`` called without its packed-row inputs (generation, a plain forward) gives ``fallback``'s
+    logits and greedy tokens."""
+    reference = copy.deepcopy(model).eval()
+    reference.set_attn_implementation(fallback)
+    ours = copy.deepcopy(reference)
+    ours.set_attn_implementation(implementation)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
-        torch.testing.assert_close(segments(ids).logits, eager(ids).logits)
-        tokens = segments.generate(ids[:, :4], max_new_tokens=6, do_sample=False, pad_token_id=0)
-        expected = eager.generate(ids[:, :4], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        torch.testing.assert_close(ours(ids).logits, reference(ids).logits)
+        tokens = ours.generate(ids[:, :4], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        expected = reference.generate(ids[:, :4], max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(tokens, expected)
+
+
+def test_without_segments_it_is_eager_attention(tiny_model):
+    """Generation (sampler=hf) and plain forwards pass no segments: eager attention with its causal mask."""
+    assert_without_inputs_it_is(tiny_model, SEGMENT_ATTENTION, "eager")
 
 
 def test_what_segment_attention_does_not_do_is_refused(tmp_path, compose):
