@@ -4,8 +4,8 @@ A micro-batch is one packed row (fgrpo.packing, ``one_row``): a prompt once, the
 prompt, and so on. Each completion attends to its prompt and, causally, to itself; each prompt to itself
 (the mask of :func:`fgrpo.packing.lay_out_rows` with shared prompts). flex_attention takes that mask as a
 *block mask*: tiles of 128 x 128 (query, key) slots that are all masked are skipped, tiles that are all allowed
-run without evaluating the mask, and only the tiles on a segment's edge evaluate :func:`_allowed` per pair. So
-the work follows the pairs that count, ``sum(Lq * (Lp + Lq))``, as with fgrpo.segment_attention on the CPU,
+run without evaluating the mask, and only the tiles on a segment's edge evaluate it (:func:`_allowed_pairs`) pair
+by pair. So the work follows the pairs that count, ``sum(Lq * (Lp + Lq))``, as with fgrpo.segment_attention on the CPU,
 but in one fused Triton kernel (forward and backward) instead of gathered batched matmuls and a softmax over
 a materialised score tensor.
 
@@ -28,6 +28,8 @@ FLEX_ATTENTION = "fgrpo_flex"
 FLEX_ATTENTION_MODELS = ("llama", "qwen2", "qwen3")
 # flex_attention's tile: a packed row is padded to a multiple of it (fgrpo.packing), so every tile is whole
 BLOCK = 128
+# the smallest head dimension its Triton kernels take (tests' 8-wide heads failed on an H100)
+MIN_HEAD_DIM = 16
 
 
 def flex_available(device: str) -> str | None:

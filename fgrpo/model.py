@@ -215,10 +215,15 @@ def load_policy(folder: Path, *, dtype: str, device: str, attention: str = "sdpa
         else:
             from fgrpo.flex_attention import FLEX_ATTENTION as implementation
             from fgrpo.flex_attention import FLEX_ATTENTION_MODELS as supported
-        model_type = AutoConfig.from_pretrained(folder).model_type
-        if model_type not in supported:
+            from fgrpo.flex_attention import MIN_HEAD_DIM as FLEX_MIN_HEAD_DIM
+        config = AutoConfig.from_pretrained(folder)
+        if config.model_type not in supported:
             raise ConfigError(f"hardware.attention={attention} supports {', '.join(supported)} models, "
-                              f"not {model_type!r}: set hardware.attention=eager (or sdpa)")
+                              f"not {config.model_type!r}: set hardware.attention=eager (or sdpa)")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if attention == "flex" and head_dim < FLEX_MIN_HEAD_DIM:
+            raise ConfigError(f"hardware.attention=flex needs a head dimension of at least {FLEX_MIN_HEAD_DIM} "
+                              f"(flex_attention's CUDA kernels), this model's is {head_dim}: set hardware.attention=sdpa")
         attention = implementation
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, TORCH_DTYPES[dtype]),
                                                  attn_implementation=attention)

@@ -127,6 +127,21 @@ def test_gpu_defaults_learner_on_cuda_matches_the_padded_cpu_fp32_update(flex_mo
         assert (gpu_grads[name] - want).norm() <= 0.03 * want.norm() + 1e-9, name
 
 
+def test_flex_for_a_model_it_cannot_run_is_refused_before_the_weights_load(tmp_path, tiny_model):
+    from transformers import MistralConfig
+
+    from fgrpo.config import ConfigError
+    from fgrpo.model import load_policy
+
+    tiny_model.config.save_pretrained(tmp_path / "narrow")  # head dim 8
+    with pytest.raises(ConfigError, match="head dimension of at least 16.*hardware.attention=sdpa"):
+        load_policy(tmp_path / "narrow", dtype="float32", device="cpu", attention="flex")
+    MistralConfig(hidden_size=64, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=16).save_pretrained(tmp_path / "mistral")
+    with pytest.raises(ConfigError, match="hardware.attention=flex supports llama, qwen2, qwen3"):
+        load_policy(tmp_path / "mistral", dtype="float32", device="cpu", attention="flex")
+
+
 def test_flex_on_the_cpu_or_an_unfit_gpu_is_refused_before_loading(compose, monkeypatch):
     from fgrpo import flex_attention
     from fgrpo.config import ConfigError, validate
