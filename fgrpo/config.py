@@ -279,6 +279,9 @@ def validate(cfg: DictConfig | Config) -> None:
     need(cfg.hardware.attention != "flex" or cfg.hardware.device == "cuda", "hardware.attention", "flex",
          "runs on CUDA only (torch's flex_attention has no backward on the CPU): on the CPU set "
          "hardware.attention=segments (the CPU's packed kernel), or use hardware=gpu")
+    need(cfg.hardware.attention != "flex" or tokens is not None, "hardware.attention", "flex",
+         "attends within packed rows: set hardware.micro_batch_tokens (e.g. 16384), or hardware.attention=sdpa for "
+         "padded micro-batches")
     need(not cfg.hardware.get("share_prompts") or tokens is not None, "hardware.share_prompts", True,
          "needs packed rows: set hardware.micro_batch_tokens (e.g. 4096), or hardware.share_prompts=false")
     kept = cfg.hardware.keep_matmul_outputs_gib

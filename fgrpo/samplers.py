@@ -17,7 +17,7 @@ import torch
 
 from fgrpo.config import ConfigError
 from fgrpo.distributed import whole
-from fgrpo.forward import SHARDED_PASS, mixed_precision
+from fgrpo.forward import SHARDED_PASS, compute_device, mixed_precision
 from fgrpo.process_memory import discard_pages
 
 log = logging.getLogger("fgrpo")
@@ -277,7 +277,7 @@ class HFSampler:
 
     @torch.no_grad()
     def generate(self, prompts, n, *, max_new_tokens, temperature, top_p, seed):
-        device = next(self.model.parameters()).device
+        device = compute_device(self.model)  # a learner offloaded to CPU memory still computes on its GPU
         eos_ids = _eos_ids(self.model, self.tokenizer)
         pad_id = self.tokenizer.pad_token_id
         flat = [p for p in prompts for _ in range(n)]

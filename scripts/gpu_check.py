@@ -104,10 +104,11 @@ def pytest_gpu(ctx: Context):
     return code == 0, last_line(tail, r"passed|failed|error")
 
 
-def train_run(ctx: Context, name: str, *extra: str, launcher: list[str] | None = None, timeout: float = 300):
+def train_run(ctx: Context, name: str, *extra: str, launcher: list[str] | None = None, timeout: float = 300,
+              env: dict | None = None):
     run_dir = ctx.out / "runs" / name
     code, tail = run(ctx, name, [*(launcher or [PY]), "run.py", f"hydra.run.dir={run_dir}", *RUN, *extra],
-                     timeout=timeout)
+                     timeout=timeout, env=env)
     summary = run_dir / "summary.json"
     if code != 0 or not summary.exists():
         return False, f"exit {code}: {first_error(ctx.logfile(name).read_text())}"
@@ -116,13 +117,14 @@ def train_run(ctx: Context, name: str, *extra: str, launcher: list[str] | None =
     return True, f"{len(learn)} steps, learner {min(learn):.2f}-{max(learn):.2f} s per step"
 
 
-def killed_and_resumed(ctx: Context, variant: str, *extra: str):
+def killed_and_resumed(ctx: Context, variant: str, *extra: str, env: dict | None = None):
     """The run killed with SIGKILL once step 2 is logged, then the same command again (runs/resumed<variant>)."""
     name = f"resumed{variant}"
     run_dir = ctx.out / "runs" / name
     command = [PY, "run.py", f"hydra.run.dir={run_dir}", *RUN, *extra]
     with open(ctx.logfile(name), "a") as out:
-        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, **(env or {})})
         metrics, deadline = run_dir / "metrics.jsonl", min(ctx.deadline, time.time() + 300)
         while process.poll() is None and time.time() < deadline:
             if metrics.exists() and '"step": 2' in metrics.read_text() and (run_dir / "checkpoints" / "latest").exists():
@@ -132,7 +134,7 @@ def killed_and_resumed(ctx: Context, variant: str, *extra: str):
         kill_group(process)
     if not alive:
         return False, "the run ended before it could be killed"
-    code, tail = run(ctx, name, command, timeout=300)
+    code, tail = run(ctx, name, command, timeout=300, env=env)
     if code != 0:
         return False, f"the resumed run: exit {code}: {first_error(tail)}"
     resumed = last_line((run_dir / "run.log").read_text(), "resumed from").split("resumed from ")[-1]
@@ -212,6 +214,8 @@ def bench_model(ctx: Context):
 
 
 BENCH_MODEL = "qwen2_5_1_5b_random"
+# the benchmark at 16x8x512, ours then TRL, 3 steps each: about 270 s on an H100 (the model folder built before)
+BENCH_RESERVE_S = 290
 BUILD_BENCH_MODEL = (
     "import sys; sys.path.insert(0, 'bench'); from compare_trl import compose_config; "
     "from fgrpo.model import resolve_model_folder; "
@@ -221,23 +225,24 @@ BUILD_BENCH_MODEL = (
 
 def functional_checks(ctx: Context, with_bench_model: bool) -> None:
     """Side by side, in chains where one check needs another's output."""
-    def chain_trained():
+    def chain_trained(env: dict):
         if timed(ctx, "run", "run.py hardware=gpu sampler=hf (4 steps, checkpoint each)",
-                 lambda: train_run(ctx, "full")).ok:
+                 lambda: train_run(ctx, "full", env=env)).ok:
             timed(ctx, "evaluate", "fgrpo.evaluate of the run on cuda", lambda: evaluate(ctx, "trained",
                   f"eval.model={ctx.out / 'runs' / 'full'}"))
             timed(ctx, "rare-nll", "fgrpo.rare_nll score on cuda", lambda: rare_nll(ctx))
 
     def chain_resume(variant: str, extra: tuple):
         # after its uninterrupted twin, as a crashed run is resumed on its machine: inductor's kernel choices (its
-        # reduction kernels are timed at their first call) come from the twin's cache, not from a race beside it
+        # reduction kernels are timed at their first call) come from the twin's cache, of this pair alone
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(ctx.out / "inductor" / (variant or "defaults"))}
         if variant:
             timed(ctx, f"run{variant}", f"run.py hardware=gpu sampler=hf {' '.join(extra)}",
-                  lambda: train_run(ctx, f"full{variant}", *extra))
+                  lambda: train_run(ctx, f"full{variant}", *extra, env=env))
         else:
-            chain_trained()
+            chain_trained(env)
         timed(ctx, f"resume{variant}", f"SIGKILL after step 2, the same command again {' '.join(extra)}",
-              lambda: killed_and_resumed(ctx, variant, *extra))
+              lambda: killed_and_resumed(ctx, variant, *extra, env=env))
 
     def chain_fsdp():
         timed(ctx, "torchrun-fsdp", "torchrun --nproc_per_node 1, hardware.fsdp=true (flex compiled alone)",
@@ -249,13 +254,14 @@ def functional_checks(ctx: Context, with_bench_model: bool) -> None:
         lambda: timed(ctx, "pytest-gpu", "pytest -m gpu (every test marked gpu)", lambda: pytest_gpu(ctx)),
         lambda: timed(ctx, "evaluate-base", "fgrpo.evaluate of the starting weights", lambda: evaluate(ctx, "base")),
         chain_fsdp,
-        lambda: timed(ctx, "vllm", "run.py hardware=gpu sampler=vllm", lambda: vllm_run(ctx)),
     ] + [functools.partial(chain_resume, variant, extra) for variant, extra in RESUME_VARIANTS.items()] + (
         [lambda: timed(ctx, "bench-model", f"build the benchmark's {BENCH_MODEL} folder", lambda: bench_model(ctx))]
         if with_bench_model else [])
     with concurrent.futures.ThreadPoolExecutor(len(chains)) as pool:
         for future in [pool.submit(chain) for chain in chains]:
             future.result()
+    # alone: vLLM profiles the card's free memory at start, which other processes' allocations would upset
+    timed(ctx, "vllm", "run.py hardware=gpu sampler=vllm", lambda: vllm_run(ctx))
     passed = {c.name for c in ctx.checks if c.ok}
     for variant in RESUME_VARIANTS:
         if {f"run{variant}", f"resume{variant}"} <= passed:
@@ -355,9 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "outputs" / "gpu-check" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     started = time.time()
-    ctx = Context(out.resolve(), started + args.budget)
+    with_bench = "bench" not in args.skip
+    # the benchmark's time is kept for it: the functional checks stop at the budget less that
+    ctx = Context(out.resolve(), started + args.budget - (BENCH_RESERVE_S if with_bench else 0))
     if "functional" not in args.skip:
-        functional_checks(ctx, with_bench_model="bench" not in args.skip)
+        functional_checks(ctx, with_bench_model=with_bench)
+    ctx.deadline = started + args.budget
     if "bench" not in args.skip:
         timed(ctx, "bench", "bench/compare_trl.py --hardware gpu, ours then TRL",
               lambda: bench(ctx, args.workload or ["16x8x512"], args.bench_steps))

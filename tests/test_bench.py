@@ -52,7 +52,8 @@ def test_a_long_workload_leaves_room_for_its_prompts():
 
 def test_learner_step_bench_runs_and_prints_its_row():
     done = subprocess.run([sys.executable, str(REPO / "bench" / "learner_step.py"), "--device", "cpu", "--model",
-                           "tiny_random", "--workload", "2x4x8", "--steps", "2", "--set", "compile_learner=false"],
+                           "tiny_random", "--workload", "2x4x8", "--steps", "2", "--set", "compile_learner=false",
+                           "--dtype", "float32"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     row = done.stdout.strip().splitlines()[-1]

@@ -149,8 +149,10 @@ def test_flex_on_the_cpu_or_an_unfit_gpu_is_refused_before_loading(compose, monk
 
     with pytest.raises(ConfigError, match="hardware.attention='flex'.*hardware.attention=segments"):
         validate(compose("hardware=cpu", "hardware.attention=flex"))
+    with pytest.raises(ConfigError, match="attends within packed rows: set hardware.micro_batch_tokens"):
+        validate(compose("hardware=gpu", "hardware.micro_batch_tokens=null"))
     validate(compose("hardware=gpu"))  # the GPU defaults: flex, checked against the machine at start
-    assert "no CUDA device" in flex_attention.flex_available("cuda") or not torch.cuda.is_available()
+    assert torch.cuda.is_available() or "no CUDA device" in flex_attention.flex_available("cuda")
     monkeypatch.setattr(flex_attention, "flex_available", lambda device: "Triton is not installed")
     with pytest.raises(ConfigError, match="Triton is not installed.*hardware.attention=sdpa"):
         flex_attention.require_flex("cuda")
@@ -181,3 +183,18 @@ def test_block_mask_tiles_equal_torchs_own_construction(monkeypatch):
     assert ours.full_kv_num_blocks.sum() > 0 and ours.kv_num_blocks.sum() > 0
     full, partial = ours.full_kv_num_blocks.sum(), ours.kv_num_blocks.sum()
     assert (full, partial) == (theirs.full_kv_num_blocks.sum(), theirs.kv_num_blocks.sum())
+
+
+def test_an_offloaded_learner_computes_on_its_meshs_device():
+    """FSDP2 with CPU offload keeps the parameters in CPU memory between uses, as DTensors whose mesh is on the GPU:
+    the learner's inputs (and the block mask) go to the mesh's device, not the parameters'."""
+    from types import SimpleNamespace
+
+    from fgrpo.forward import compute_device
+
+    model = torch.nn.Linear(2, 2)
+    assert compute_device(model) == torch.device("cpu")
+    model.weight.device_mesh = SimpleNamespace(device_type="cpu")  # a sharded learner not offloaded: the same
+    assert compute_device(model) == torch.device("cpu")
+    model.weight.device_mesh = SimpleNamespace(device_type="meta")  # offloaded: the mesh's device (meta: CPU-testable)
+    assert compute_device(model) == torch.device("meta")
