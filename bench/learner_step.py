@@ -32,26 +32,25 @@ from fgrpo.losses import LossSettings  # noqa: E402
 from fgrpo.packing import Sequence  # noqa: E402
 
 
-def hardware_keys(device: str, overrides: list[str]) -> dict:
-    keys = yaml.safe_load((REPO / "conf" / "hardware" / f"{'gpu' if device == 'cuda' else 'cpu'}.yaml").read_text())
-    defaults = {"attention": "sdpa", "micro_batch_size": 8, "micro_batch_tokens": None, "share_prompts": False,
-                "compile_learner": False, "gradient_checkpointing": False, "keep_matmul_outputs_gib": 0}
-    keys = {**defaults, **keys}
-    for item in overrides:
-        key, value = item.split("=", 1)
-        keys[key] = yaml.safe_load(value)
-    return keys
+def hardware_keys(device: str, overrides: list[str]):
+    """conf/hardware/<gpu|cpu>.yaml over the schema's defaults (fgrpo.config.HardwareConfig), then ``overrides``."""
+    from omegaconf import OmegaConf
+
+    from fgrpo.config import HardwareConfig
+
+    option = OmegaConf.load(REPO / "conf" / "hardware" / f"{'gpu' if device == 'cuda' else 'cpu'}.yaml")
+    return OmegaConf.merge(OmegaConf.structured(HardwareConfig), option, OmegaConf.from_dotlist(overrides))
 
 
 def build_model(name: str, device: str, attention: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from fgrpo.flex_attention import FLEX_ATTENTION
+    from fgrpo.model import random_config
     from fgrpo.segment_attention import SEGMENT_ATTENTION
 
-    shape = dict(yaml.safe_load((REPO / "conf" / "model" / f"{name}.yaml").read_text())["random_init"])
-    fields = {"vocab_size": 49152, "tie_word_embeddings": True} | shape
-    config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
+    shape = yaml.safe_load((REPO / "conf" / "model" / f"{name}.yaml").read_text())["random_init"]
+    config = random_config(shape, vocab_size=49152)  # SmolLM2's tokenizer, as fgrpo.model.random_folder
     implementation = {"flex": FLEX_ATTENTION, "segments": SEGMENT_ATTENTION}.get(attention, attention)
     torch.manual_seed(0)
     with torch.device(device):

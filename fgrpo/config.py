@@ -271,26 +271,7 @@ def validate(cfg: DictConfig | Config) -> None:
          "must be > 0 (RL needs sampling; the paper uses 1.0)")
     need(0 < cfg.sampler.top_p <= 1, "sampler.top_p", cfg.sampler.top_p, "must be in (0, 1]")
     need(cfg.hardware.device in DEVICES, "hardware.device", cfg.hardware.device, f"must be one of {DEVICES}")
-    need(cfg.hardware.micro_batch_size >= 1, "hardware.micro_batch_size", cfg.hardware.micro_batch_size, "must be >= 1")
-    tokens = cfg.hardware.get("micro_batch_tokens")
-    need(tokens is None or tokens >= 1, "hardware.micro_batch_tokens", tokens, "must be >= 1, or null to pad each sequence")
-    need(cfg.hardware.attention in ATTENTIONS, "hardware.attention", cfg.hardware.attention,
-         f"must be one of {ATTENTIONS}")
-    need(cfg.hardware.attention != "flex" or cfg.hardware.device == "cuda", "hardware.attention", "flex",
-         "runs on CUDA only (torch's flex_attention has no backward on the CPU): on the CPU set "
-         "hardware.attention=segments (the CPU's packed kernel), or use hardware=gpu")
-    need(cfg.hardware.attention != "flex" or tokens is not None, "hardware.attention", "flex",
-         "attends within packed rows: set hardware.micro_batch_tokens (e.g. 16384), or hardware.attention=sdpa for "
-         "padded micro-batches")
-    need(not cfg.hardware.get("share_prompts") or tokens is not None, "hardware.share_prompts", True,
-         "needs packed rows: set hardware.micro_batch_tokens (e.g. 4096), or hardware.share_prompts=false")
-    kept = cfg.hardware.keep_matmul_outputs_gib
-    numeric = isinstance(kept, (int, float)) and not isinstance(kept, bool)
-    need(kept == "auto" or (numeric and kept >= 0), "hardware.keep_matmul_outputs_gib", kept,
-         "must be auto or >= 0 (GiB per micro-batch; 0 keeps none)")
-    need(kept in ("auto", 0) or (cfg.hardware.gradient_checkpointing and cfg.hardware.compile_learner),
-         "hardware.keep_matmul_outputs_gib", kept, "chooses what gradient checkpointing keeps inside compiled layers: "
-         "set hardware.gradient_checkpointing=true and hardware.compile_learner=true, or set it to 0")
+    _check_learner_layout(cfg.hardware, need, ATTENTIONS)
     need(cfg.hardware.sampler_kv_cache_gib > 0, "hardware.sampler_kv_cache_gib", cfg.hardware.sampler_kv_cache_gib,
          "must be > 0 (GiB of KV cache for vLLM on CPU, e.g. 0.5)")
     need(cfg.hardware.autocast_dtype in AUTOCAST_CHOICES, "hardware.autocast_dtype", cfg.hardware.autocast_dtype,
@@ -330,6 +311,31 @@ def validate(cfg: DictConfig | Config) -> None:
          f"must be one of {WANDB_MODES} (or unset: $WANDB_MODE, else offline)")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _check_learner_layout(hw, need, attentions: tuple) -> None:
+    """The learner's layout keys (micro-batches, packing, attention kernel, kept matmul outputs), through
+    :func:`validate`'s ``need``."""
+    need(hw.micro_batch_size >= 1, "hardware.micro_batch_size", hw.micro_batch_size, "must be >= 1")
+    tokens = hw.get("micro_batch_tokens")
+    need(tokens is None or tokens >= 1, "hardware.micro_batch_tokens", tokens, "must be >= 1, or null to pad each sequence")
+    need(hw.attention in attentions, "hardware.attention", hw.attention,
+         f"must be one of {attentions}")
+    need(hw.attention != "flex" or hw.device == "cuda", "hardware.attention", "flex",
+         "runs on CUDA only (torch's flex_attention has no backward on the CPU): on the CPU set "
+         "hardware.attention=segments (the CPU's packed kernel), or use hardware=gpu")
+    need(hw.attention != "flex" or tokens is not None, "hardware.attention", "flex",
+         "attends within packed rows: set hardware.micro_batch_tokens (e.g. 16384), or hardware.attention=sdpa for "
+         "padded micro-batches")
+    need(not hw.get("share_prompts") or tokens is not None, "hardware.share_prompts", True,
+         "needs packed rows: set hardware.micro_batch_tokens (e.g. 4096), or hardware.share_prompts=false")
+    kept = hw.keep_matmul_outputs_gib
+    numeric = isinstance(kept, (int, float)) and not isinstance(kept, bool)
+    need(kept == "auto" or (numeric and kept >= 0), "hardware.keep_matmul_outputs_gib", kept,
+         "must be auto or >= 0 (GiB per micro-batch; 0 keeps none)")
+    need(kept in ("auto", 0) or (hw.gradient_checkpointing and hw.compile_learner),
+         "hardware.keep_matmul_outputs_gib", kept, "chooses what gradient checkpointing keeps inside compiled layers: "
+         "set hardware.gradient_checkpointing=true and hardware.compile_learner=true, or set it to 0")
 
 
 # the magnitude of a typical weight of a trained LLM's linear layers (Qwen2.5-7B's: std about 0.02, median |w| about

@@ -52,16 +52,6 @@ def flex_available(device: str) -> str | None:
     return None
 
 
-def require_flex(device: str) -> None:
-    """hardware.attention=flex on a machine that cannot run it: fail before the model loads, naming the way out."""
-    from fgrpo.config import ConfigError
-
-    problem = flex_available(device)
-    if problem:
-        raise ConfigError(f"hardware.attention=flex cannot run here: {problem}. Set hardware.attention=sdpa (and, for "
-                          "padded micro-batches, hardware.micro_batch_tokens=null hardware.share_prompts=false)")
-
-
 def slot_labels(unit_of: torch.Tensor, completion_of: torch.Tensor) -> torch.Tensor:
     """``[R, 2, W]`` int32: each slot's unit (a prompt copy and its completions; each padding slot its own) and
     completion (-1: a prompt), from a layout's ``[R, W]`` labels (fgrpo.packing.RowLayout)."""

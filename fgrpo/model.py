@@ -129,23 +129,31 @@ def random_folder(random_init: dict, seed: int = 0) -> Path:
 
     def build(tmp: Path) -> None:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
         fields = {"vocab_size": len(tokenizer), "tie_word_embeddings": True} | shape
         if fields["vocab_size"] < len(tokenizer):
             raise ModelSourceError(f"model.random_init.vocab_size={fields['vocab_size']} is below the tokenizer's "
                                    f"{len(tokenizer)} tokens: raise it or leave it out")
-        config = AutoConfig.for_model(
-            model_type, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, **fields,
-        )
+        config = random_config({"model_type": model_type} | fields, bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
     return _build_atomically(target, build)
+
+
+def random_config(random_init: dict, **defaults):
+    """The transformers config of a random model of ``random_init``'s shape (``model_type``, default ``llama``, picks
+    the architecture; tied embeddings unless it says otherwise) over ``defaults``."""
+    from transformers import AutoConfig
+
+    shape = dict(random_init)
+    model_type = shape.pop("model_type", "llama")
+    return AutoConfig.for_model(model_type, **({"tie_word_embeddings": True} | defaults | shape))
 
 
 def hub_folder(model_id: str) -> Path:

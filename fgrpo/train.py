@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from fgrpo import checkpoint, distributed, rare_nll
 from fgrpo.advantages import focal_group_advantages, focal_weight, success_rate
 from fgrpo.compiled_layers import auto_kept_matmul_gib, require_cpp_compiler
-from fgrpo.flex_attention import require_flex
+from fgrpo.flex_attention import flex_available
 from fgrpo.config import ConfigError, experiment_differences, to_container, validate, validate_layout
 from fgrpo.distributed import SINGLE, Ranks
 from fgrpo.data import Problem, arithmetic_problems, build_prompt, load_problems
@@ -257,6 +257,14 @@ def _check_inputs(cfg: DictConfig, world: int) -> tuple[Data, object, Path]:
     if hw.device == "cuda":
         check_learner_fits_gpus(folder, cfg, world)
     return data, verifier, folder
+
+
+def require_flex(device: str) -> None:
+    """hardware.attention=flex on a machine that cannot run it: fail before the model loads, naming the way out."""
+    problem = flex_available(device)
+    if problem:
+        raise ConfigError(f"hardware.attention=flex cannot run here: {problem}. Set hardware.attention=sdpa (and, for "
+                          "padded micro-batches, hardware.micro_batch_tokens=null hardware.share_prompts=false)")
 
 
 def _encode_prompts(cfg: DictConfig, folder: Path, data: Data) -> tuple[object, dict[str, list[int]]]:

@@ -143,7 +143,7 @@ def test_flex_for_a_model_it_cannot_run_is_refused_before_the_weights_load(tmp_p
 
 
 def test_flex_on_the_cpu_or_an_unfit_gpu_is_refused_before_loading(compose, monkeypatch):
-    from fgrpo import flex_attention
+    from fgrpo import flex_attention, train
     from fgrpo.config import ConfigError, validate
     from fgrpo.train import prepare
 
@@ -153,9 +153,9 @@ def test_flex_on_the_cpu_or_an_unfit_gpu_is_refused_before_loading(compose, monk
         validate(compose("hardware=gpu", "hardware.micro_batch_tokens=null"))
     validate(compose("hardware=gpu"))  # the GPU defaults: flex, checked against the machine at start
     assert torch.cuda.is_available() or "no CUDA device" in flex_attention.flex_available("cuda")
-    monkeypatch.setattr(flex_attention, "flex_available", lambda device: "Triton is not installed")
+    monkeypatch.setattr(train, "flex_available", lambda device: "Triton is not installed")
     with pytest.raises(ConfigError, match="Triton is not installed.*hardware.attention=sdpa"):
-        flex_attention.require_flex("cuda")
+        train.require_flex("cuda")
     if not torch.cuda.is_available():  # a run stops at the device check, before the model loads
         with pytest.raises(ConfigError, match="no CUDA device"):
             prepare(compose("hardware=gpu", "model=tiny_random", "sampler=hf", "logger=none"))
