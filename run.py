@@ -25,7 +25,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
-from fgrpo.config import ConfigError, register_configs
+from fgrpo.config import register_configs
+
+from fgrpo.infra.errors import ConfigError
 
 register_configs()
 log = logging.getLogger("fgrpo")
@@ -39,7 +41,7 @@ def pin_run_dir_for_all_ranks(argv: list[str]) -> None:
         return
     if any(arg in ("-m", "--multirun") or arg.startswith("hydra.run.dir=") for arg in argv):
         return
-    from fgrpo import distributed
+    from fgrpo.infra import distributed
 
     distributed.init_from_env()
     argv.append(f"hydra.run.dir=outputs/{distributed.from_rank0(time.strftime('%Y-%m-%d/%H-%M-%S'))}")
@@ -57,11 +59,11 @@ def quiet_other_ranks(rank: int) -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    from fgrpo import distributed
-    from fgrpo.checkpoint import CheckpointError
-    from fgrpo.data import DataError
-    from fgrpo.model import ModelSourceError
-    from fgrpo.samplers import SamplerUnavailable
+    from fgrpo.infra import distributed
+    from fgrpo.infra.errors import CheckpointError
+    from fgrpo.infra.errors import DataError
+    from fgrpo.infra.errors import ModelSourceError
+    from fgrpo.infra.errors import SamplerUnavailable
     from fgrpo.train import train
 
     ranks = distributed.init_from_env()  # under Slurm: each task's rank from Slurm's variables

@@ -36,9 +36,9 @@ def main() -> None:
     import torch
     from hydra import compose, initialize_config_dir
 
-    from fgrpo import checkpoint
+    from fgrpo.infra import checkpoint
     from fgrpo.config import register_configs
-    from fgrpo.model import load_policy, resolve_model_folder
+    from fgrpo.learner.model import load_policy, resolve_model_folder
 
     register_configs()
     with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):

@@ -109,12 +109,12 @@ def child_matmul(threads: int, device: str = "cpu", hardware: dict | None = None
     """Best-of-N torch.matmul rate in fp32 and bf16: 2048^3 on ``threads`` CPU threads, 8192^3 on a GPU.
 
     On a CPU, bf16 is timed at that size only where ours uses it (``hardware``: ours' dtype keys, ``auto``
-    settled here by fgrpo.precision's probe, as the run settles it): where bf16 is emulated (AVX2-only CPUs,
+    settled here by fgrpo.infra.precision's probe, as the run settles it): where bf16 is emulated (AVX2-only CPUs,
     about 200x slower than fp32) one 2048^3 bf16 matmul takes minutes, and the probe's small-shape rate is
     reported instead (``bf16_source``)."""
     import torch
 
-    from fgrpo.precision import describe_cpu, resolve_precision
+    from fgrpo.infra.precision import describe_cpu, resolve_precision
 
     cuda = device == "cuda"
     if cuda:
@@ -182,7 +182,7 @@ def child_ours(spec: dict) -> dict:
     from omegaconf import OmegaConf
 
     import fgrpo.train as loop
-    from fgrpo.tracking import read_metrics
+    from fgrpo.infra.tracking import read_metrics
 
     p, g, t = spec["workload"]
     cfg = compose_config(spec)
@@ -241,8 +241,8 @@ def trl_dataset(cfg, tokenizer):
     from datasets import Dataset
 
     import fgrpo.train as loop
-    from fgrpo.data import build_prompt
-    from fgrpo.rollouts import ProblemStream
+    from fgrpo.rollout.data import build_prompt
+    from fgrpo.rollout.rollouts import ProblemStream
 
     data = loop.load_data(cfg.dataset)
     first_epoch = ProblemStream(data.train, seed=cfg.seed).take(len(data.train))
@@ -289,7 +289,7 @@ def child_trl(spec: dict) -> dict:
     from trl import GRPOTrainer
 
     import fgrpo.train as loop
-    from fgrpo.verifier import make_verifier
+    from fgrpo.rollout.verifier import make_verifier
 
     p, g, t = spec["workload"]
     cfg = compose_config(spec)
@@ -560,8 +560,8 @@ def _precision_line(matmul: dict) -> str:
 
 
 def machine_line(cpu: str | None = None) -> str:
-    """``cpu``: fgrpo.precision.describe_cpu() as a child saw it (name, instruction-set kind, torch's kernels)."""
-    from fgrpo.precision import describe_cpu
+    """``cpu``: fgrpo.infra.precision.describe_cpu() as a child saw it (name, instruction-set kind, torch's kernels)."""
+    from fgrpo.infra.precision import describe_cpu
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{cpu or describe_cpu()}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()} {platform.release()}"

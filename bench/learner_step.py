@@ -26,10 +26,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fgrpo.compiled_layers import compile_decoder_layers  # noqa: E402
-from fgrpo.learner import update_policy  # noqa: E402
-from fgrpo.losses import LossSettings  # noqa: E402
-from fgrpo.packing import Sequence  # noqa: E402
+from fgrpo.learner.compiled_layers import compile_decoder_layers  # noqa: E402
+from fgrpo.learner.learner import update_policy  # noqa: E402
+from fgrpo.algorithm.losses import LossSettings  # noqa: E402
+from fgrpo.learner.packing import Sequence  # noqa: E402
 
 
 def hardware_keys(device: str, overrides: list[str]):
@@ -45,12 +45,12 @@ def hardware_keys(device: str, overrides: list[str]):
 def build_model(name: str, device: str, attention: str):
     from transformers import AutoModelForCausalLM
 
-    from fgrpo.flex_attention import FLEX_ATTENTION
-    from fgrpo.model import random_config
-    from fgrpo.segment_attention import SEGMENT_ATTENTION
+    from fgrpo.learner.flex_attention import FLEX_ATTENTION
+    from fgrpo.learner.model import random_config
+    from fgrpo.learner.segment_attention import SEGMENT_ATTENTION
 
     shape = yaml.safe_load((REPO / "conf" / "model" / f"{name}.yaml").read_text())["random_init"]
-    config = random_config(shape, vocab_size=49152)  # SmolLM2's tokenizer, as fgrpo.model.random_folder
+    config = random_config(shape, vocab_size=49152)  # SmolLM2's tokenizer, as fgrpo.learner.model.random_folder
     implementation = {"flex": FLEX_ATTENTION, "segments": SEGMENT_ATTENTION}.get(attention, attention)
     torch.manual_seed(0)
     with torch.device(device):

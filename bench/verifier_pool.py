@@ -1,5 +1,5 @@
 """How fast math answers are verified: answers per second in the trainer's process (verifier_workers=1) and in a
-pool of N worker processes (fgrpo.verifier.VerifierPool), on a seeded mix of realistic completions: reasoning
+pool of N worker processes (fgrpo.rollout.verifier.VerifierPool), on a seeded mix of realistic completions: reasoning
 text ending in boxed integers, fractions, radicals, polynomials, intervals, tuples and multiples of pi, or in a
 bare number; about a third of them wrong.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fgrpo.verifier import VerifierPool, make_verifier, verify_numeric  # noqa: E402
+from fgrpo.rollout.verifier import VerifierPool, make_verifier, verify_numeric  # noqa: E402
 
 REASONING = [
     r"Let $n$ be the number of terms. Each step adds $3$ to the previous one, so after $k$ steps we have $3k + 2$.",

@@ -2,9 +2,9 @@
 
 The algorithm core is importable without the runner's dependencies:
 
-    from fgrpo.advantages import group_advantages, success_rate, focal_weight, focal_group_advantages
-    from fgrpo.losses import policy_loss, aggregate
-    from fgrpo.metrics import pass_at_k, pass_at_k_curve
+    from fgrpo.algorithm.advantages import group_advantages, success_rate, focal_weight, focal_group_advantages
+    from fgrpo.algorithm.losses import policy_loss, aggregate
+    from fgrpo.evaluation.pass_at_k import pass_at_k, pass_at_k_curve
     from fgrpo.theory import miss_probability, simulate_miss_probability
 """
 

@@ -3,11 +3,11 @@
     python -m fgrpo.compare A B [--m M] [--iterations I] [--alpha A] [--seed S] [--step N] [--out FILE.md]
 
 A and B are run directories, standalone evaluation directories or ``eval_counts.jsonl`` files (one row per problem
-per evaluation: ``{"step", "dataset", "problem", "n", "c"}``, written by :mod:`fgrpo.evaluation`).
+per evaluation: ``{"step", "dataset", "problem", "n", "c"}``, written by :mod:`fgrpo.evaluation.held_out`).
 
 Protocol (paper, "Evaluation protocol": m = 256 of n = 1024 samples, 50,000 iterations, two-sided, alpha = 0.05):
 each iteration draws, for every problem, m of its n samples without replacement for A and independently for B,
-computes the unbiased pass@k (:mod:`fgrpo.metrics`) of each subset, averages over the problems and takes A - B.
+computes the unbiased pass@k (:mod:`fgrpo.evaluation.pass_at_k`) of each subset, averages over the problems and takes A - B.
 Only how many of the m are correct matters, which is hypergeometric(c, n - c, m), so no per-sample arrays are needed.
 
 Calibration. A size-m subsample estimate spreads around the full-n estimate more than the full-n estimate spreads
@@ -43,8 +43,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from fgrpo.metrics import default_ks
-from fgrpo.tracking import COUNTS_FILE, read_jsonl
+from fgrpo.evaluation.pass_at_k import default_ks
+from fgrpo.infra.tracking import COUNTS_FILE, read_jsonl
+from fgrpo.infra.errors import CompareError
 
 __all__ = [
     "AVERAGE", "COUNTS_FILE", "DEFAULT_ALPHA", "DEFAULT_ITERATIONS", "CompareError", "Comparison", "EvalCounts", "p_value_text",
@@ -57,9 +58,6 @@ DEFAULT_ITERATIONS = 50_000
 DEFAULT_ALPHA = 0.05
 _CHUNK_DRAWS = 1 << 21  # draws held at once (iterations x problems): bounds memory for large evaluations
 
-
-class CompareError(ValueError):
-    """Two evaluations cannot be compared, or one cannot be read; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +133,7 @@ def _check_alpha(alpha: float) -> float:
 def pass_at_k_table(n: int, ks: Sequence[int]) -> np.ndarray:
     """``[n + 1, K]``: unbiased pass@k (Chen et al. 2021) of n samples with c = 0..n correct, for each k.
 
-    Row c is ``1 - prod_{i=n-c+1}^{n} (1 - k / i)`` as in :func:`fgrpo.metrics.pass_at_k`, built for every c at
+    Row c is ``1 - prod_{i=n-c+1}^{n} (1 - k / i)`` as in :func:`fgrpo.evaluation.pass_at_k.pass_at_k`, built for every c at
     once with a cumulative product; exactly 1 where ``n - c < k``.
     """
     n = _positive_int("n", n)

@@ -12,7 +12,9 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-# the values of hardware.autocast_dtype and hardware.sampler_dtype (fgrpo.precision settles auto); null autocast
+from fgrpo.infra.errors import ConfigError
+
+# the values of hardware.autocast_dtype and hardware.sampler_dtype (fgrpo.infra.precision settles auto); null autocast
 # means the same as float32: the matmuls run in the weights' own dtype
 
 
@@ -32,7 +34,7 @@ class ModelConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = MISSING  # grpo | dapo | cispo: the policy loss in fgrpo.losses
+    name: str = MISSING  # grpo | dapo | cispo: the policy loss in fgrpo.algorithm.losses
     clip_low: float = 0.2
     clip_high: float = 0.2
     group_size: int = 8
@@ -92,7 +94,7 @@ class HardwareConfig:
     device: str = "cpu"  # cpu | cuda
     learner_dtype: str = "float32"  # the weights and the optimizer state
     # matmuls of the learner's forward/backward in this dtype (null or float32: off); auto: bfloat16 where this
-    # machine runs it natively, else off (fgrpo.precision)
+    # machine runs it natively, else off (fgrpo.infra.precision)
     autocast_dtype: Optional[str] = "auto"
     sampler_dtype: str = "auto"  # vLLM's weights and activations; auto as autocast_dtype, float32 where bf16 is slow
     micro_batch_size: int = 8  # sequences per micro-batch, padded to the longest (when micro_batch_tokens is null)
@@ -102,8 +104,8 @@ class HardwareConfig:
     share_prompts: bool = False
     threads: int = 0  # torch threads on CPU; 0 = all cores
     # the learner's attention kernel: sdpa | eager (faster for short sequences on CPU) | segments (eager over
-    # each prompt and completion's own keys in packed rows: fgrpo.segment_attention) | flex (torch's flex_attention
-    # over packed rows with a prompt/completion block mask, CUDA only: fgrpo.flex_attention)
+    # each prompt and completion's own keys in packed rows: fgrpo.learner.segment_attention) | flex (torch's flex_attention
+    # over packed rows with a prompt/completion block mask, CUDA only: fgrpo.learner.flex_attention)
     attention: str = "sdpa"
     compile_learner: bool = False  # torch.compile the learner's decoder layers (needs a C++ compiler on CPU)
     sampler_kv_cache_gib: float = 2.0  # vLLM on CPU: KV cache size
@@ -167,7 +169,7 @@ class TrainerConfig:
     # optimizer steps per sampled batch (PPO mini-batches); 1 = on-policy, as the default run
     mini_batches: int = 1
     save_final: bool = False
-    # checkpoints (fgrpo/checkpoint.py) under the run directory: every N steps (0: not by steps) and every M minutes
+    # checkpoints (fgrpo/infra/checkpoint.py) under the run directory: every N steps (0: not by steps) and every M minutes
     # (0: not by time), whichever comes first; a Slurm time limit or preemption (SIGUSR2) saves one as well
     checkpoint_every: int = 0
     checkpoint_every_min: float = 30.0
@@ -217,21 +219,19 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
 
 
-class ConfigError(ValueError):
-    """A config value out of its allowed range; the message names the key, the value and the fix."""
-
 
 def validate(cfg: DictConfig | Config) -> None:
     """Range checks that must fail before the model loads. Raises ConfigError listing every problem."""
-    # every list of allowed names lives with the code that implements them
-    from fgrpo.data import DATASET_KINDS
-    from fgrpo.forward import ATTENTIONS
-    from fgrpo.losses import AGG_MODES, ALGOS
-    from fgrpo.model import DEVICES, MODEL_SOURCES, WEIGHT_DTYPES
-    from fgrpo.precision import AUTOCAST_CHOICES, SAMPLER_CHOICES
-    from fgrpo.samplers import SAMPLERS
-    from fgrpo.tracking import BACKENDS, WANDB_MODES
-    from fgrpo.verifier import AUTO_WORKERS, VERIFIER_KINDS
+    # every list of allowed names lives with the code that implements them; imported here, not at the top, so that
+    # `import fgrpo.config` (run.py, the sweeper: before Hydra parses the command line) stays free of torch
+    from fgrpo.algorithm.losses import AGG_MODES, ALGOS
+    from fgrpo.infra.precision import AUTOCAST_CHOICES, SAMPLER_CHOICES
+    from fgrpo.infra.tracking import BACKENDS, WANDB_MODES
+    from fgrpo.learner.forward import ATTENTIONS
+    from fgrpo.learner.model import DEVICES, MODEL_SOURCES, WEIGHT_DTYPES
+    from fgrpo.rollout.data import DATASET_KINDS
+    from fgrpo.rollout.samplers import SAMPLERS
+    from fgrpo.rollout.verifier import AUTO_WORKERS, VERIFIER_KINDS
 
     problems: list[str] = []
 

@@ -28,8 +28,9 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from fgrpo import checkpoint  # noqa: E402
-from fgrpo.config import ConfigError, to_container, validate  # noqa: E402
+from fgrpo.infra import checkpoint  # noqa: E402
+from fgrpo.config import to_container, validate  # noqa: E402
+from fgrpo.infra.errors import ConfigError
 
 log = logging.getLogger("fgrpo")
 
@@ -110,7 +111,7 @@ def check_prompt_format(source: ModelSource, model_cfg: DictConfig) -> None:
 def model_folder(source: ModelSource, cfg: DictConfig, out_dir: Path) -> Path:
     """The local HF folder to evaluate: a checkpoint is exported into ``out_dir``/model first."""
     from fgrpo.export import export
-    from fgrpo.model import hub_folder, resolve_model_folder
+    from fgrpo.learner.model import hub_folder, resolve_model_folder
 
     if source.kind == "model group":
         return resolve_model_folder(cfg.model)
@@ -124,7 +125,7 @@ def model_folder(source: ModelSource, cfg: DictConfig, out_dir: Path) -> Path:
 
 def pass_at_k_markdown(metrics: dict[str, float], dataset_names: list[str], n_samples: int, problems: dict[str, int]) -> str:
     """The markdown table of pass@k with its 95% bootstrap interval (over problems), per set and averaged."""
-    from fgrpo.metrics import default_ks
+    from fgrpo.evaluation.pass_at_k import default_ks
 
     rows = ["| set | problems | n | k | pass@k | 95% interval |", "|---|---:|---:|---:|---:|---|"]
     names = [(name, f"eval/{name}/") for name in dataset_names]
@@ -142,12 +143,12 @@ def pass_at_k_markdown(metrics: dict[str, float], dataset_names: list[str], n_sa
 def evaluate_model(cfg: DictConfig, out_dir: Path, *, run_name: str | None = None, overrides: list[str] | None = None,
                    saved_config: Path | None = None) -> dict[str, float]:
     """Evaluate the model ``cfg.eval.model`` names (see the module's docstring); returns the pass@k metrics."""
-    from fgrpo.evaluation import COUNTS_FILE, append_counts, evaluate
-    from fgrpo.model import load_policy
-    from fgrpo.plots import plot_pass_at_k
-    from fgrpo.samplers import require_vllm
+    from fgrpo.evaluation.held_out import COUNTS_FILE, append_counts, evaluate
+    from fgrpo.learner.model import load_policy
+    from fgrpo.evaluation.plots import plot_pass_at_k
+    from fgrpo.rollout.samplers import require_vllm
     from fgrpo.train import EVAL_SEED_OFFSET, _encode_prompts, load_data, make_sampler, make_tracker, settle_hardware
-    from fgrpo.verifier import close_verifier, make_verifier
+    from fgrpo.rollout.verifier import close_verifier, make_verifier
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("fgrpo.evaluate runs in one process: start it with python, not torchrun or srun -n >1")
@@ -208,9 +209,9 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from fgrpo.config import register_configs
-    from fgrpo.data import DataError
-    from fgrpo.model import ModelSourceError
-    from fgrpo.samplers import SamplerUnavailable
+    from fgrpo.infra.errors import DataError
+    from fgrpo.infra.errors import ModelSourceError
+    from fgrpo.infra.errors import SamplerUnavailable
 
     register_configs()
     _default_run_dir(sys.argv)
@@ -224,7 +225,7 @@ def main() -> None:
         try:
             final = evaluate_model(cfg, out_dir, run_name=f"eval-{hydra_cfg.job.override_dirname or 'default'}",
                                    overrides=list(hydra_cfg.overrides.task), saved_config=saved)
-        except (ConfigError, DataError, ModelSourceError, SamplerUnavailable, checkpoint.CheckpointError) as error:
+        except (ConfigError, DataError, ModelSourceError, SamplerUnavailable, CheckpointError) as error:
             log.error("%s", error)
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)

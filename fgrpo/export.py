@@ -15,7 +15,8 @@ import logging
 import sys
 from pathlib import Path
 
-from fgrpo import checkpoint
+from fgrpo.infra import checkpoint
+from fgrpo.infra.errors import CheckpointError
 
 log = logging.getLogger("fgrpo")
 
@@ -24,18 +25,18 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     """Checkpoint ``step`` of ``run_dir``, or its latest; raises CheckpointError naming what exists."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise checkpoint.CheckpointError(f"{run_dir} is not a directory: pass a run directory (outputs/DATE/TIME)")
+        raise CheckpointError(f"{run_dir} is not a directory: pass a run directory (outputs/DATE/TIME)")
     complete = checkpoint.complete_checkpoints(run_dir)
     steps = ", ".join(str(checkpoint.read_step(p)) for p in complete) or "none"
     if step is None:
         candidates = checkpoint.resume_candidates(run_dir)
         if not candidates:
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"{run_dir} has no checkpoint (trainer.checkpoint_every, trainer.checkpoint_every_min make them)")
         return candidates[0]
     path = checkpoint.checkpoints_dir(run_dir) / checkpoint.step_name(step)
     if path not in complete:
-        raise checkpoint.CheckpointError(f"{run_dir} has no complete checkpoint of step {step}; it has steps: {steps}")
+        raise CheckpointError(f"{run_dir} has no complete checkpoint of step {step}; it has steps: {steps}")
     return path
 
 
@@ -43,7 +44,7 @@ def export(run_dir: Path, *, step: int | None = None, out: Path | None = None) -
     """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as an HF folder; returns the folder."""
     from omegaconf import OmegaConf
 
-    from fgrpo.model import load_policy, load_tokenizer, resolve_model_folder
+    from fgrpo.learner.model import load_policy, load_tokenizer, resolve_model_folder
 
     path = find_checkpoint(run_dir, step)
     state = checkpoint.read_trainer_state(path)
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         out = export(args.run_dir, step=args.step, out=args.out)
-    except checkpoint.CheckpointError as error:
+    except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"exported to {out}")

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fgrpo.packing import Sequence
+from fgrpo.learner.packing import Sequence
 
 log = logging.getLogger("fgrpo")
 
@@ -61,7 +61,7 @@ def length_normalised_nll(model, seqs: list[Sequence], *, pad_id: int, budget: i
 
     Several ranks with a sharded model: every rank must pass the same ``seqs`` (each forward is collective).
     """
-    from fgrpo.forward import completion_logprobs
+    from fgrpo.learner.forward import completion_logprobs
 
     if any(not s.completion_ids for s in seqs):
         raise ValueError("every sequence needs at least one completion token to have a length-normalised NLL")
@@ -146,11 +146,11 @@ def build(cfg, out_dir: Path, *, prompts: int, samples: int, fraction: float, ch
     from tqdm.auto import tqdm
 
     from fgrpo.config import validate
-    from fgrpo.model import load_policy, resolve_model_folder
-    from fgrpo.rollouts import prompt_seeds, sample_groups
-    from fgrpo.samplers import require_vllm
+    from fgrpo.learner.model import load_policy, resolve_model_folder
+    from fgrpo.rollout.rollouts import prompt_seeds, sample_groups
+    from fgrpo.rollout.samplers import require_vllm
     from fgrpo.train import _encode_prompts, load_data, make_sampler, settle_hardware
-    from fgrpo.verifier import close_verifier, make_verifier
+    from fgrpo.rollout.verifier import close_verifier, make_verifier
 
     if prompts < 1 or samples < 1:
         raise ValueError(f"--prompts and --samples must be >= 1, got {prompts} and {samples}")
@@ -224,7 +224,7 @@ def score_model(set_path: Path, model_spec: str, device: str = "cpu") -> dict[st
     import tempfile
 
     from fgrpo.evaluate import locate_model, model_folder
-    from fgrpo.model import load_policy, load_tokenizer
+    from fgrpo.learner.model import load_policy, load_tokenizer
 
     rare = load_rare_set(set_path)  # a missing set fails before the model loads
     source = locate_model(model_spec)
@@ -238,9 +238,9 @@ def score_model(set_path: Path, model_spec: str, device: str = "cpu") -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fgrpo.checkpoint import CheckpointError
-    from fgrpo.config import ConfigError
-    from fgrpo.model import ModelSourceError
+    from fgrpo.infra.errors import CheckpointError
+    from fgrpo.infra.errors import ConfigError
+    from fgrpo.infra.errors import ModelSourceError
 
     parser = argparse.ArgumentParser(prog="python -m fgrpo.rare_nll", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)

@@ -6,7 +6,7 @@ Reads only what the runs wrote (``.hydra/config.yaml``, ``.hydra/hydra.yaml``, `
 ``eval_counts.jsonl`` in each run directory; the sweep's ``multirun.yaml`` and submitit's ``.submitit/`` log folders),
 so a sweep copied back from a cluster reports the same. A job that failed before it wrote a run directory is still
 listed as FAILED (from the job list in ``multirun.yaml``), with its Slurm log when there is one. Writes ``report.md``
-and ``report.png`` (pass@k curves, one panel per algorithm, one line per gamma, drawn by :mod:`fgrpo.plots`) next to
+and ``report.png`` (pass@k curves, one panel per algorithm, one line per gamma, drawn by :mod:`fgrpo.evaluation.plots`) next to
 the sweep, or into ``--out``. ``report.md`` also lists every run (pass@1 and pass@k before -> after, held-out
 problems never solved before -> after, the rare-trajectory NLL change where the run measured it, the median step
 time), and ``report_success_rates.png`` shows the held-out problems' success-rate histograms before and after
@@ -38,15 +38,16 @@ from pathlib import Path
 
 import numpy as np
 
-from fgrpo.compare import (AVERAGE, COUNTS_FILE, DEFAULT_ALPHA, CompareError, EvalCounts, aligned_counts,
+from fgrpo.compare import (AVERAGE, COUNTS_FILE, DEFAULT_ALPHA, EvalCounts, aligned_counts,
                            PERMUTATION_SPLITS, load_counts, paired_test, permutation_test, pool_counts,
                            p_value_text)
-from fgrpo.plots import plot_pass_at_k_panels
-from fgrpo.tracking import read_metrics
+from fgrpo.infra.errors import CompareError
+from fgrpo.evaluation.plots import plot_pass_at_k_panels
+from fgrpo.infra.tracking import read_metrics
 
 # keys that identify a table cell or may differ between runs of one sweep
 CELL_KEYS = ("algo.name", "focal.gamma")
-# what `auto` settles per job from the machine it runs on (fgrpo.precision), written into its saved config
+# what `auto` settles per job from the machine it runs on (fgrpo.infra.precision), written into its saved config
 SETTLED_KEYS = {"hardware.autocast_dtype", "hardware.sampler_dtype", "hardware.keep_matmul_outputs_gib"}
 # (eval.before and eval.rare_set measure more or less of a run, not how it trains: a sweep run in parts may differ)
 FREE_KEYS = ("seed", "run_name", "logger.group", "logger.tags", "logger.mode", "trainer.save_final",

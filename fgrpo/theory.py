@@ -303,7 +303,7 @@ def focal_weight_from_counts(num_correct: torch.Tensor, group_size: torch.Tensor
     """F-GRPO's focal weight of each group, Eqs. 11-12: ``g = (1 - mu_hat)^gamma``, ``mu_hat = #correct / N``.
 
     All arguments ``[B]``; returns ``[B]`` float64. gamma = 0 gives 1 for every group, all-correct ones
-    included (0^0 = 1), as in :func:`fgrpo.advantages.focal_weight`.
+    included (0^0 = 1), as in :func:`fgrpo.algorithm.advantages.focal_weight`.
     """
     success_rate = num_correct.to(torch.float64) / group_size.to(torch.float64)
     return torch.pow(1.0 - success_rate, gamma.to(torch.float64))

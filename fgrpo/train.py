@@ -22,25 +22,28 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fgrpo import checkpoint, distributed, rare_nll
-from fgrpo.advantages import focal_group_advantages, focal_weight, success_rate
-from fgrpo.compiled_layers import auto_kept_matmul_gib, require_cpp_compiler
-from fgrpo.flex_attention import flex_available
-from fgrpo.config import ConfigError, experiment_differences, to_container, validate, validate_layout
-from fgrpo.distributed import SINGLE, Ranks
-from fgrpo.data import Problem, arithmetic_problems, build_prompt, load_problems
-from fgrpo.evaluation import COUNTS_FILE, append_counts, evaluate
-from fgrpo.learner import Learner, LearnerSettings
-from fgrpo.losses import LossSettings
-from fgrpo.gpu_memory import check_learner_fits_gpus
-from fgrpo.model import load_tokenizer, resolve_model_folder
-from fgrpo.precision import Precision, resolve_precision
-from fgrpo.process_memory import bound_kernel_caches, keep_freed_memory
-from fgrpo.rollouts import Groups, ProblemStream, collect_groups, learner_sequences, overlong_penalties, sample_groups
-from fgrpo.samplers import HFSampler, Sampler, VLLMSampler, check_vllm_dtype, require_vllm
-from fgrpo.plots import plot_pass_at_k
-from fgrpo.tracking import NoTracker, Tracker, supersede_rows_after
-from fgrpo.verifier import close_verifier, make_verifier
+from fgrpo.infra import checkpoint, distributed
+
+from fgrpo import rare_nll
+from fgrpo.algorithm.advantages import focal_group_advantages, focal_weight, success_rate
+from fgrpo.learner.compiled_layers import auto_kept_matmul_gib, require_cpp_compiler
+from fgrpo.learner.flex_attention import flex_available
+from fgrpo.config import experiment_differences, to_container, validate, validate_layout
+from fgrpo.infra.errors import ConfigError
+from fgrpo.infra.distributed import SINGLE, Ranks
+from fgrpo.rollout.data import Problem, arithmetic_problems, build_prompt, load_problems
+from fgrpo.evaluation.held_out import COUNTS_FILE, append_counts, evaluate
+from fgrpo.learner.learner import Learner, LearnerSettings
+from fgrpo.algorithm.losses import LossSettings
+from fgrpo.learner.gpu_memory import check_learner_fits_gpus
+from fgrpo.learner.model import load_tokenizer, resolve_model_folder
+from fgrpo.infra.precision import Precision, resolve_precision
+from fgrpo.infra.process_memory import bound_kernel_caches, keep_freed_memory
+from fgrpo.rollout.rollouts import Groups, ProblemStream, collect_groups, learner_sequences, overlong_penalties, sample_groups
+from fgrpo.rollout.samplers import HFSampler, Sampler, VLLMSampler, check_vllm_dtype, require_vllm
+from fgrpo.evaluation.plots import plot_pass_at_k
+from fgrpo.infra.tracking import NoTracker, Tracker, supersede_rows_after
+from fgrpo.rollout.verifier import close_verifier, make_verifier
 
 log = logging.getLogger("fgrpo")
 
@@ -495,9 +498,9 @@ def _remembering_interrupts():
 
 def settle_hardware(cfg: DictConfig, saved_config: Path | None = None, ranks: Ranks = SINGLE):
     """Replace ``auto`` in ``hardware.autocast_dtype`` / ``sampler_dtype`` by what this machine runs fast
-    (fgrpo.precision) and in ``hardware.keep_matmul_outputs_gib`` by the budget for that dtype, log the choice
+    (fgrpo.infra.precision) and in ``hardware.keep_matmul_outputs_gib`` by the budget for that dtype, log the choice
     and its reason, and write the settled config to ``saved_config`` (the run's ``.hydra/config.yaml``) so that
-    the run directory says what ran. Before the model loads; returns the :class:`~fgrpo.precision.Precision`.
+    the run directory says what ran. Before the model loads; returns the :class:`~fgrpo.infra.precision.Precision`.
     Several ranks: rank 0 probes and decides for all (a timed probe could tip differently on another rank)."""
     hw = cfg.hardware
     precision = distributed.from_rank0(distributed.agree(

@@ -218,7 +218,7 @@ BENCH_MODEL = "qwen2_5_1_5b_random"
 BENCH_RESERVE_S = 290
 BUILD_BENCH_MODEL = (
     "import sys; sys.path.insert(0, 'bench'); from compare_trl import compose_config; "
-    "from fgrpo.model import resolve_model_folder; "
+    "from fgrpo.learner.model import resolve_model_folder; "
     f"print(resolve_model_folder(compose_config(dict(workload=[1, 2, 1], model='{BENCH_MODEL}', steps=2, lr=1e-6, "
     "hardware='gpu')).model))")
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets everything up (scripts/setup.sh) and runs the test suite. Extra arguments go to pytest,
-# e.g. `bash scripts/test.sh -m "not slow"` or `bash scripts/test.sh tests/test_losses.py`.
+# e.g. `bash scripts/test.sh -m "not slow"` or `bash scripts/test.sh tests/algorithm/test_losses.py`.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${FGRPO_VENV:-$repo/.venv}

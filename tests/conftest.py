@@ -1,11 +1,15 @@
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# tests/helpers (shared test code) and tests/children (scripts the tests start as processes, whose constants the
+# tests read too) import by name from every test folder
+sys.path[:0] = [str(Path(__file__).resolve().parent / "helpers"), str(Path(__file__).resolve().parent / "children")]
 
 # W&B never reaches a server from the tests; vLLM runs in-process and quietly
 os.environ.setdefault("WANDB_MODE", "offline")

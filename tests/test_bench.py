@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fgrpo.samplers import vllm_available
+from fgrpo.rollout.samplers import vllm_available
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "compare_trl.py"

@@ -12,10 +12,11 @@ import pytest
 import yaml
 
 import fgrpo.compare as compare_module
-from fgrpo.compare import (AVERAGE, CompareError, EvalCounts, compare, hypergeometric_cdf, load_counts, main,
+from fgrpo.compare import (AVERAGE, EvalCounts, compare, hypergeometric_cdf, load_counts, main,
                            paired_test, pass_at_k_table, permutation_test, pool_counts, rescale_factor,
                            subsample_pass_at_k)
-from fgrpo.metrics import pass_at_k
+from fgrpo.evaluation.pass_at_k import pass_at_k
+from fgrpo.infra.errors import CompareError
 
 REPO = Path(__file__).resolve().parents[1]
 

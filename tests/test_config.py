@@ -4,7 +4,9 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from fgrpo.config import ConfigError, validate
+from fgrpo.config import validate
+
+from fgrpo.infra.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ["model", "algo", "focal", "dataset", "hardware", "sampler", "logger"]
@@ -104,7 +106,7 @@ def test_several_problems_are_reported_together(compose):
 def test_cpu_defaults_are_the_fast_path(compose):
     hardware = compose().hardware
     assert (hardware.attention, hardware.compile_learner) == ("segments", True)
-    # the dtypes follow the CPU (fgrpo.precision): bf16 only where it is native
+    # the dtypes follow the CPU (fgrpo.infra.precision): bf16 only where it is native
     assert (hardware.learner_dtype, hardware.autocast_dtype, hardware.sampler_dtype) == ("float32", "auto", "auto")
     assert compose("hardware=gpu").hardware.autocast_dtype == "auto"
     validate(compose("hardware.autocast_dtype=null", "hardware.sampler_dtype=float32"))  # the fp32 spelling by hand

@@ -9,12 +9,12 @@ import copy
 import pytest
 import torch
 
-from fgrpo.packing import Sequence
-from fgrpo.forward import completion_logprobs
-from fgrpo.learner import update_policy
-from fgrpo.logprobs import token_logprobs
-from fgrpo.model import load_policy, load_tokenizer, resolve_model_folder
-from fgrpo.samplers import HFSampler
+from fgrpo.learner.packing import Sequence
+from fgrpo.learner.forward import completion_logprobs
+from fgrpo.learner.learner import update_policy
+from fgrpo.learner.logprobs import token_logprobs
+from fgrpo.learner.model import load_policy, load_tokenizer, resolve_model_folder
+from fgrpo.rollout.samplers import HFSampler
 
 HAVE_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA device (none here)")
@@ -53,8 +53,8 @@ def test_hf_sampler_logprobs_are_the_learners(tiny_folder, device, autocast, tol
 
 def update_on(device, model, *, autocast_dtype=None, attention=None, compiled=False, **learner_options):
     """Loss and gradients (on the CPU) of one on-policy DAPO update of ``model`` moved to ``device``."""
-    from fgrpo.losses import LossSettings
-    from fgrpo.compiled_layers import compile_decoder_layers
+    from fgrpo.algorithm.losses import LossSettings
+    from fgrpo.learner.compiled_layers import compile_decoder_layers
 
     model = copy.deepcopy(model).to(device)
     if attention:
@@ -93,7 +93,7 @@ def test_learner_update_on_cuda_matches_cpu_fp32(tiny_model, autocast_dtype, los
 def test_cpu_fast_path_on_cuda_matches_cpu_fp32(tiny_model):
     """What hardware=cpu runs (segment attention over packed rows with shared prompts, compiled layers keeping
     their matmul outputs, the compiled LM-head kernels), here in Triton on a GPU in bf16: the CPU fp32 update."""
-    from fgrpo.segment_attention import SEGMENT_ATTENTION
+    from fgrpo.learner.segment_attention import SEGMENT_ATTENTION
 
     cpu_metrics, cpu_grads = update_on("cpu", tiny_model)
     gpu_metrics, gpu_grads = update_on("cuda", tiny_model, autocast_dtype=torch.bfloat16, attention=SEGMENT_ATTENTION,
@@ -126,7 +126,7 @@ def test_fused_logprobs_on_cuda_match_cpu():
 @needs_cuda
 def test_training_run_on_cuda_with_the_hf_sampler(compose, tmp_path):
     from fgrpo.train import train
-    from fgrpo.tracking import read_metrics
+    from fgrpo.infra.tracking import read_metrics
 
     cfg = compose("model=tiny_random", "hardware=gpu", "sampler=hf", "logger=none", "trainer.steps=2",
                   "trainer.prompts_per_step=2", "algo.group_size=4", "eval.n_samples=2", "eval.max_problems=4",
@@ -141,7 +141,9 @@ def test_random_model_of_another_architecture_and_vocabulary():
     """conf/model/qwen2_5_1_5b_random's mechanism at a tiny size: model_type and vocab_size are honoured."""
     from transformers import AutoConfig
 
-    from fgrpo.model import ModelSourceError, random_folder
+    from fgrpo.learner.model import random_folder
+
+    from fgrpo.infra.errors import ModelSourceError
 
     shape = dict(model_type="qwen2", vocab_size=60000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                  num_attention_heads=1, num_key_value_heads=1)

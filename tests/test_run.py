@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from fgrpo.samplers import vllm_available
-from fgrpo.tracking import read_metrics
+from fgrpo.rollout.samplers import vllm_available
+from fgrpo.infra.tracking import read_metrics
 from wandb_files import read_wandb_history, read_wandb_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def load_state(folder: Path) -> dict:
 
 
 def initial_tiny_state() -> dict:
-    from fgrpo.model import random_folder
+    from fgrpo.learner.model import random_folder
 
     return load_state(random_folder(TINY_SHAPE, seed=0))
 
@@ -92,10 +92,10 @@ def test_eval_before_false_skips_only_the_evaluation_of_the_starting_weights(tmp
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 2e-3), ("bfloat16", 0.08)])
 def test_vllm_logprobs_match_learner_after_weight_update(dtype, tolerance):
     """After pushing new weights, vLLM's log-probs of its own samples equal the learner's recomputation."""
-    from fgrpo.packing import Sequence
-    from fgrpo.forward import completion_logprobs
-    from fgrpo.model import load_policy, load_tokenizer, random_folder
-    from fgrpo.samplers import VLLMSampler
+    from fgrpo.learner.packing import Sequence
+    from fgrpo.learner.forward import completion_logprobs
+    from fgrpo.learner.model import load_policy, load_tokenizer, random_folder
+    from fgrpo.rollout.samplers import VLLMSampler
 
     folder = random_folder(TINY_SHAPE, seed=0)
     tokenizer = load_tokenizer(folder)
@@ -159,7 +159,7 @@ def test_default_model_and_sampler_two_steps_write_metrics_and_wandb_files(tmp_p
     # policy gradient alone (no weight decay) moved every parameter
     steps = [r for r in rows if "train/loss" in r]
     assert any(r["train/frac_mixed"] > 0 and r["train/adv_abs_mean"] > 0 for r in steps)
-    from fgrpo.model import bundled_folder
+    from fgrpo.learner.model import bundled_folder
 
     before, after = load_state(bundled_folder()), load_state(tmp_path / "final_model")
     assert not [name for name in before if torch.equal(before[name], after[name])]

@@ -6,8 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fgrpo.config import ConfigError, smallest_kept_lr, validate, validate_layout
-from fgrpo.gpu_memory import GIB, check_learner_fits_gpus, learner_memory, model_shape
+from fgrpo.config import smallest_kept_lr, validate, validate_layout
+
+from fgrpo.infra.errors import ConfigError
+from fgrpo.learner.gpu_memory import GIB, check_learner_fits_gpus, learner_memory, model_shape
 
 EXPERIMENTS = ["paper_grpo", "paper_dapo", "paper_cispo"]
 CLIPS = {"paper_grpo": (0.2, 0.2), "paper_dapo": (0.2, 0.28), "paper_cispo": (1.0, 5.0)}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fgrpo.tracking import read_metrics
-from fgrpo.wandb_file import iter_records
+from fgrpo.infra.tracking import read_metrics
+from fgrpo.infra.wandb_file import iter_records
 from wandb_files import find_wandb_run_file, read_wandb_run
 
 REPO = Path(__file__).resolve().parents[1]

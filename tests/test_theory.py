@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from fgrpo.advantages import focal_group_advantages, focal_weight
+from fgrpo.algorithm.advantages import focal_group_advantages, focal_weight
 from fgrpo.theory import (
     PAPER_EXAMPLES,
     CategoricalConfig,
@@ -71,7 +71,7 @@ def test_lemma_figure_points_agree_with_the_closed_form():
 
 
 def _autograd_gradient(logits, sampled_actions, rewards, gamma, objective):
-    """J = (1/N) sum_j A^F_j f(pi(a_j)) from per-sample arrays, A^F from fgrpo.advantages (Eq. 13 without std)."""
+    """J = (1/N) sum_j A^F_j f(pi(a_j)) from per-sample arrays, A^F from fgrpo.algorithm.advantages (Eq. 13 without std)."""
     logits = logits.clone().requires_grad_(True)
     probs = torch.softmax(logits, dim=-1)
     sample_rewards = rewards[sampled_actions].unsqueeze(0)  # [1, N]

@@ -34,10 +34,10 @@ class SweepJobFailed(RuntimeError):
 
 def _bad_input_errors() -> tuple[type, ...]:
     """Errors whose message says everything (no traceback needed)."""
-    from fgrpo.config import ConfigError
-    from fgrpo.data import DataError
-    from fgrpo.model import ModelSourceError
-    from fgrpo.samplers import SamplerUnavailable
+    from fgrpo.infra.errors import ConfigError
+    from fgrpo.infra.errors import DataError
+    from fgrpo.infra.errors import ModelSourceError
+    from fgrpo.infra.errors import SamplerUnavailable
 
     return ConfigError, DataError, ModelSourceError, SamplerUnavailable
 
@@ -69,7 +69,8 @@ def describe_failure(result: JobReturn, job_num: int) -> str:
 class ValidatingSweeper(BasicSweeper):
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         super().validate_batch_is_legal(batch)  # each job composes
-        from fgrpo.config import ConfigError, validate, validate_layout
+        from fgrpo.config import validate, validate_layout
+        from fgrpo.infra.errors import ConfigError
 
         loader = self.hydra_context.config_loader
         problems = []

@@ -1,0 +1,74 @@
+"""Held-out evaluation: unbiased pass@k with confidence intervals (fgrpo.evaluation.pass_at_k) on each evaluation set, and the
+per-problem correct counts behind it (``eval_counts.jsonl``), from which any two evaluations can be compared later
+(fgrpo.compare)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fgrpo.rollout.data import Problem
+from fgrpo.evaluation.pass_at_k import pass_at_k_curve
+from fgrpo.infra.distributed import SINGLE, Ranks, gather_objects
+from fgrpo.rollout.rollouts import prompt_seeds, sample_groups
+from fgrpo.infra.tracking import COUNTS_FILE
+
+Curve = list[tuple[int, float, float, float]]  # (k, pass@k, ci_low, ci_high)
+# COUNTS_FILE: one JSON row per problem per evaluation, {"step", "dataset", "problem", "n", "c"} (c of the n samples
+# correct; step: the training step evaluated, null for a model evaluated on its own without one)
+
+
+def evaluate(sampler, eval_sets: dict[str, list[Problem]], prompt_ids: dict[str, list[int]], verifier, *,
+             n_samples: int, max_problems: int, max_new_tokens: int, temperature: float, top_p: float,
+             seed: int, ranks: Ranks = SINGLE) -> tuple[dict[str, float], Curve, list[dict]]:
+    """pass@k for k = 1, 2, 4, ..., ``n_samples`` on the first ``max_problems`` of each set.
+
+    Several ranks (fgrpo.infra.distributed): each vLLM engine samples its share of the problems (the last one repeated to
+    an equal count per engine: the HF sampler's sharded forwards must match), and every rank gets all the counts.
+
+    Returns the metrics (``eval/<set>/pass@k`` with ``_ci_low`` / ``_ci_high``, ``eval/pass@k`` averaging the sets,
+    ``perf/eval_time_s``), the curve to plot (the set's own, or with several sets their average) and the
+    per-problem counts (rows of :data:`COUNTS_FILE` without the step).
+    """
+    start = time.perf_counter()
+    metrics: dict[str, float] = {}
+    curves: dict[str, Curve] = {}
+    count_rows: list[dict] = []
+    for name, problems in eval_sets.items():
+        problems = problems[:max_problems]
+        padded = problems + problems[-1:] * (-len(problems) % ranks.data_parallel_size)
+        groups = sample_groups(sampler, ranks.share(padded, of_engine=True), prompt_ids, verifier, group_size=n_samples,
+                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                               seed=ranks.share(prompt_seeds(seed, len(padded)), of_engine=True))
+        engine_counts = groups.correct.sum(dim=1).int().tolist()
+        # one engine's ranks drew the same: the counts of the first rank of each engine, in order
+        counts = sum(gather_objects(engine_counts if ranks.rank % ranks.tensor_parallel == 0 else []), [])
+        counts = counts[: len(problems)]
+        count_rows += [{"dataset": name, "problem": p.id, "n": n_samples, "c": c} for p, c in zip(problems, counts)]
+        curves[name] = [(pt.k, pt.mean, pt.ci_low, pt.ci_high) for pt in pass_at_k_curve(counts, n_samples, seed=seed)]
+        for k, mean, low, high in curves[name]:
+            metrics.update({f"eval/{name}/pass@{k}": mean, f"eval/{name}/pass@{k}_ci_low": low,
+                            f"eval/{name}/pass@{k}_ci_high": high})
+    ks = [k for k, *_ in next(iter(curves.values()))]
+    for k in ks:
+        for suffix in ("", "_ci_low", "_ci_high"):
+            metrics[f"eval/pass@{k}{suffix}"] = float(np.mean([metrics[f"eval/{name}/pass@{k}{suffix}"]
+                                                               for name in curves]))
+    metrics["perf/eval_time_s"] = time.perf_counter() - start
+    if len(curves) == 1:
+        return metrics, next(iter(curves.values())), count_rows
+    return metrics, [(k, metrics[f"eval/pass@{k}"], metrics[f"eval/pass@{k}_ci_low"],
+                      metrics[f"eval/pass@{k}_ci_high"]) for k in ks], count_rows
+
+
+def append_counts(run_dir: Path, step: int | None, count_rows: list[dict]) -> None:
+    """Add one evaluation's per-problem counts to ``run_dir``/eval_counts.jsonl, flushed to disk (a crash keeps
+    every evaluation before it)."""
+    with open(Path(run_dir) / COUNTS_FILE, "a", encoding="utf-8") as file:
+        file.writelines(json.dumps({"step": step, **row}) + "\n" for row in count_rows)
+        file.flush()
+        os.fsync(file.fileno())

@@ -1,0 +1,123 @@
+"""Will the learner fit the GPUs it was given? An estimate from the model's config, before any weight loads.
+
+Per GPU, for a learner of P parameters sharded over N ranks (FSDP2, fgrpo.learner.learner): its 1/N of the weights,
+gradients and two AdamW moments, each in ``hardware.learner_dtype`` (fp32: 16 bytes per parameter in all), and of
+the frozen reference model where the KL term needs one, none of them on the GPU with ``hardware.cpu_offload``; the
+root unit (embedding, final norm, LM head) and two decoder layers gathered whole in the compute dtype (the layer
+computing and the one prefetched); and the activations of one micro-batch. vLLM takes
+``hardware.sampler_gpu_memory_utilization`` of each card. The activation term is a rough rule (below): the check
+refuses a launch whose state alone cannot fit, and warns where the activations may tip it over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2**30
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# bytes of activations per token and hidden unit of one decoder layer in bf16 during its backward (attention and MLP
+# inputs, projections, SiLU; Korthikanti et al. 2022 count 34 without the attention scores, which SDPA does not keep)
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER = 34
+
+
+@dataclass(frozen=True)
+class LearnerMemory:
+    """Bytes per GPU, by what holds them."""
+
+    weights: float
+    gradients: float
+    moments: float
+    reference: float  # the frozen reference model (KL term), sharded as the policy
+    gathered: float  # the root unit and two decoder layers, whole, in the compute dtype
+    activations: float
+
+    @property
+    def state(self) -> float:
+        """What the learner holds whatever the batch: all but the activations."""
+        return self.weights + self.gradients + self.moments + self.reference + self.gathered
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations
+
+    def describe(self) -> str:
+        parts = ("weights", "gradients", "moments", "reference", "gathered", "activations")
+        return ", ".join(f"{name} {getattr(self, name) / GIB:.1f}" for name in parts if getattr(self, name))
+
+
+def learner_memory(*, params: int, layer_params: int, root_params: int, hidden: int, layers: int,
+                   weight_dtype: str, compute_dtype: str, world: int, sharded: bool, cpu_offload: bool,
+                   checkpointing: bool, micro_batch_tokens: int, reference: bool = False) -> LearnerMemory:
+    """The estimate of this module's docstring, in bytes per GPU. ``sharded``: FSDP2 (several ranks, or
+    ``hardware.fsdp``); ``cpu_offload`` counts only when sharded."""
+    offloaded = cpu_offload and sharded
+    state = 0 if offloaded else params * BYTES[weight_dtype] / world
+    per_layer = ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER * micro_batch_tokens * hidden
+    # checkpointed: each layer keeps its input (2 bytes per hidden unit) and one layer at a time recomputes the rest
+    activations = (micro_batch_tokens * hidden * 2 * layers + per_layer) if checkpointing else per_layer * layers
+    return LearnerMemory(weights=state, gradients=state, moments=2 * state, reference=state if reference else 0.0,
+                         gathered=(2 * layer_params + root_params) * BYTES[compute_dtype] if sharded else 0.0,
+                         activations=activations)
+
+
+def model_shape(folder: Path) -> dict[str, int]:
+    """Parameter counts (all, and one decoder layer's), hidden size and layer count of the model in ``folder``,
+    from its config alone (a model on the meta device: no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = getattr(model.base_model, "layers", None)
+    params = sum(p.numel() for p in model.parameters())
+    layer_params = sum(p.numel() for p in layers[0].parameters()) if layers is not None else 0
+    return dict(params=params, layer_params=layer_params, root_params=params - layer_params * config.num_hidden_layers,
+                hidden=config.hidden_size, layers=config.num_hidden_layers)
+
+
+def check_learner_fits_gpus(folder: Path, cfg, world: int) -> None:
+    """Raise ConfigError when the learner's state cannot fit this machine's GPU beside vLLM's share; log a warning
+    when its activations may not."""
+    import logging
+
+    import torch
+
+    from fgrpo.infra.errors import ConfigError
+
+    hw, sampler = cfg.hardware, cfg.sampler
+    shape = model_shape(folder)
+    tokens = hw.micro_batch_tokens or hw.micro_batch_size * sampler.max_model_len
+    compute = hw.autocast_dtype if hw.autocast_dtype in BYTES else hw.learner_dtype  # "auto" is settled later
+    sharded = world > 1 or hw.fsdp
+
+    def need(ranks: int) -> LearnerMemory:
+        return learner_memory(**shape, weight_dtype=hw.learner_dtype, compute_dtype=compute, world=ranks,
+                              sharded=sharded or ranks > 1, cpu_offload=hw.cpu_offload,
+                              checkpointing=hw.gradient_checkpointing, micro_batch_tokens=tokens,
+                              reference=cfg.algo.kl_coef > 0)
+
+    card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    vllm_share = hw.sampler_gpu_memory_utilization if sampler.name == "vllm" else 0.0
+    available = card * (1 - vllm_share)
+    estimate = need(world)
+    what = (f"the learner of {cfg.model.name} ({shape['params'] / 1e9:.2f}B parameters, {hw.learner_dtype} weights "
+            f"with AdamW) needs about {estimate.total / GIB:.0f} GiB per GPU with {world} "
+            f"process{'es' if world > 1 else ''} ({estimate.describe()} GiB) but each GPU has {available / GIB:.0f} "
+            f"GiB for it ({card / GIB:.0f} GiB, less vLLM's hardware.sampler_gpu_memory_utilization={vllm_share:g})")
+    options = []
+    if not (hw.cpu_offload and sharded):
+        enough = next((n for n in (2, 4, 8, 16, 32, 64, 128) if n > world and need(n).total <= available), None)
+        if enough:
+            options.append(f"launch {enough} or more GPUs (about {need(enough).total / GIB:.0f} GiB each then)")
+        options.append("hardware.cpu_offload=true" + ("" if sharded else " with hardware.fsdp=true")
+                       + " (weights, gradients and moments in CPU memory)")
+    options.append("smaller micro-batches (hardware.micro_batch_tokens or micro_batch_size)")
+    if not hw.gradient_checkpointing:
+        options.append("hardware.gradient_checkpointing=true")
+    if estimate.state > available:
+        raise ConfigError(f"{what}. Options: {'; '.join(options)}")
+    if estimate.total > available:
+        logging.getLogger("fgrpo").warning("%s: it may not fit (the activations are a rough estimate). If it runs "
+                                           "out of memory: %s", what, "; ".join(options))

@@ -1,0 +1,145 @@
+"""What the loop learns from: problems in epoch order, groups of G sampled completions with their verified
+correctness, DAPO's dynamic sampling and overlong shaping, and the learner's sequences with their advantages."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from fgrpo.rollout.data import Problem
+from fgrpo.infra.distributed import SINGLE, Ranks, gather_objects, sum_over_ranks
+from fgrpo.learner.packing import Sequence
+from fgrpo.rollout.samplers import Completion
+from fgrpo.rollout.verifier import verify_batch
+
+
+class ProblemStream:
+    """The training problems, endlessly: a shuffled order per epoch, reshuffled with ``(seed, epoch)``.
+
+    The first epoch's order is ``default_rng(seed).permutation`` (the benchmark feeds TRL the same order)."""
+
+    def __init__(self, problems: list[Problem], seed: int):
+        self.problems, self.seed = problems, seed
+        self.epoch, self.cursor = 0, 0
+        self.order = self._order(0)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng(self.seed if epoch == 0 else (self.seed, epoch)).permutation(len(self.problems))
+
+    def take(self, count: int) -> list[Problem]:
+        picked = []
+        for _ in range(count):
+            if self.cursor == len(self.order):  # a new epoch
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self.order = self._order(self.epoch)
+            picked.append(self.problems[self.order[self.cursor]])
+            self.cursor += 1
+        return picked
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self.order = self._order(self.epoch)
+
+
+@dataclass
+class Groups:
+    """P problems with G sampled completions each and the verifier's verdicts."""
+
+    problems: list[Problem]
+    completions: list[list[Completion]]  # [P][G]
+    correct: torch.Tensor  # [P, G] float, 1.0 where the verifier accepted the completion
+    verify_time_s: float = 0.0  # inside the verifier
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+    def select(self, indices: list[int]) -> Groups:
+        return Groups([self.problems[i] for i in indices], [self.completions[i] for i in indices],
+                      self.correct[indices], self.verify_time_s)
+
+    def extend(self, other: Groups) -> Groups:
+        return Groups(self.problems + other.problems, self.completions + other.completions,
+                      torch.cat([self.correct, other.correct]), self.verify_time_s + other.verify_time_s)
+
+    def mixed(self) -> list[int]:
+        """Groups with both outcomes: the only ones with a non-zero group-relative advantage."""
+        successes = self.correct.sum(dim=1)
+        return [i for i in range(len(self)) if 0 < successes[i] < self.correct.shape[1]]
+
+
+def prompt_seeds(seed: int, count: int) -> list[int]:
+    """One sampling seed per prompt of a draw, from the draw's ``seed`` and the prompt's place in it: the same
+    whichever rank draws the prompt. The first is the draw's own (a sampler that takes one seed per call, HF,
+    draws as it did from one), the others a prime apart (draws' seeds are consecutive)."""
+    return [seed + index * 1_000_003 for index in range(count)]
+
+
+def sample_groups(sampler, problems: list[Problem], prompt_ids: dict[str, list[int]], verifier, *, group_size: int,
+                  max_new_tokens: int, temperature: float, top_p: float, seed: int | list[int]) -> Groups:
+    """``group_size`` completions per problem, each verified against the problem's answer. ``seed``: the draw's, or
+    one per problem (:func:`prompt_seeds`). All the draw's answers go to the verifier in one
+    :func:`~fgrpo.rollout.verifier.verify_batch` call, so a verifier pool spreads them over its workers."""
+    completions = sampler.generate([prompt_ids[p.id] for p in problems], group_size, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p, seed=seed)
+    start = time.perf_counter()
+    texts = [c.text for group in completions for c in group]
+    answers = [p.answer for p, group in zip(problems, completions) for _ in group]
+    rewards = iter(verify_batch(verifier, texts, answers))
+    correct = torch.tensor([[next(rewards) for _ in group] for group in completions], dtype=torch.float32)
+    return Groups(problems, completions, correct, time.perf_counter() - start)
+
+
+def collect_groups(draw: Callable[[list[Problem], list[int]], Groups], stream: ProblemStream, count: int, *, seed: int,
+                   dynamic_sampling: bool = False, max_rounds: int = 3, ranks: Ranks = SINGLE) -> Groups:
+    """``count`` groups from ``draw(problems, seeds)`` (one seed per problem). DAPO's dynamic sampling keeps only
+    mixed groups and draws ``count`` more problems until ``count`` are kept or ``max_rounds`` draws are spent (then
+    fewer, maybe none).
+
+    Several ranks (fgrpo.infra.distributed): every rank takes the same problems from its copy of the stream and draws its
+    share (its engine's, then keeps its own part); the count kept is the whole run's, and the first ``count`` in rank
+    order are kept, so ranks may end with unequal shares (the learner pads its micro-batches to match)."""
+    def draw_round(round_seed: int) -> Groups:
+        problems = stream.take(count)
+        drawn = draw(ranks.share(problems, of_engine=True), ranks.share(prompt_seeds(round_seed, count), of_engine=True))
+        return drawn.select(ranks.own_part(list(range(len(drawn)))))
+
+    groups = draw_round(seed)
+    if not dynamic_sampling:
+        return groups
+    groups, rounds = groups.select(groups.mixed()), 1
+    while sum_over_ranks([len(groups)])[0] < count and rounds < max_rounds:
+        extra = draw_round(seed + 7919 * rounds)
+        groups, rounds = groups.extend(extra.select(extra.mixed())), rounds + 1
+    kept_before = sum(gather_objects(len(groups))[: ranks.rank])
+    return groups.select(list(range(max(0, min(len(groups), count - kept_before)))))
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to max - buffer, then falling linearly to -penalty."""
+    start = max_new_tokens - buffer
+    if length <= start:
+        return 0.0
+    return -penalty * min(1.0, (length - start) / max(buffer, 1))
+
+
+def overlong_penalties(groups: Groups, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """``[P, G]``: :func:`overlong_penalty` of each completion's length."""
+    penalties = torch.zeros_like(groups.correct)  # [P, G] also when this rank kept no group (P = 0)
+    for row, group in enumerate(groups.completions):
+        for column, completion in enumerate(group):
+            penalties[row, column] = overlong_penalty(len(completion.token_ids), max_new_tokens, buffer, penalty)
+    return penalties
+
+
+def learner_sequences(groups: Groups, advantages: torch.Tensor, prompt_ids: dict[str, list[int]]) -> list[Sequence]:
+    """One sequence per non-empty completion, carrying its advantage ``advantages[p, g]``."""
+    return [Sequence(prompt_ids[problem.id], completion.token_ids, float(advantages[i, j]))
+            for i, (problem, group) in enumerate(zip(groups.problems, groups.completions))
+            for j, completion in enumerate(group) if completion.token_ids]

@@ -1,0 +1,95 @@
+"""One learner step on fixed rollouts, in however many processes launched it: ``python tests/children/sharded_update.py CASE
+OUT`` (one process, no process group) or ``torchrun --nproc_per_node 2 tests/children/sharded_update.py CASE OUT`` (the
+policy sharded with FSDP2 over gloo), or ``python tests/children/sharded_update.py CASE OUT fsdp`` (sharded in one process). Rank 0 saves the step's metrics and the updated full parameters to OUT;
+tests/learner/test_sharded.py compares one process's file with two's.
+
+The batch is 4 prompts x 4 samples. With 2 ranks, rank 0 learns on 3 groups and rank 1 on 1: uneven shares, so
+rank 0 runs more micro-batches than rank 1, which must pad with fillers or the job hangs (a 60 s process-group
+timeout turns a hang into a failure).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fgrpo.infra import distributed  # noqa: E402
+from fgrpo.learner.learner import fill_old_logprobs, shard_policy, update_policy  # noqa: E402
+from fgrpo.learner.segment_attention import SEGMENT_ATTENTION  # noqa: E402
+from learner_cases import algo, grouped_seqs  # noqa: E402
+
+CASES = {
+    # padded micro-batches of 3, a clip that binds (grad_norm > 0.05), gradient checkpointing
+    "fp64-clip-checkpointing": dict(dtype=torch.float64, loss="grpo", checkpointing=True, grad_clip=0.05,
+                                    layout=dict(micro_batch_size=3)),
+    # packed rows with shared prompts, segment attention, an off-policy mini-batch (old log-probs filled first)
+    "fp64-packed-offpolicy": dict(dtype=torch.float64, loss="dapo", checkpointing=False, grad_clip=1e9,
+                                  layout=dict(micro_batch_size=4, micro_batch_tokens=48, share_prompts=True),
+                                  attention=SEGMENT_ATTENTION, old_logprobs=True),
+    "fp32-clip-checkpointing": dict(dtype=torch.float32, loss="cispo", checkpointing=True, grad_clip=0.05,
+                                    layout=dict(micro_batch_size=3)),
+}
+PROMPTS, SAMPLES = 4, 4
+
+
+def build_model(dtype, attention):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).to(dtype)
+    model.set_attn_implementation(attention)
+    if dtype == torch.float64:  # fp64 end to end: transformers computes rotary angles and RMS norms in fp32, where
+        # sums in another order (one process vs two) flip an fp32 ulp now and then
+        model.model.rotary_emb.forward = _rotary_in_fp64.__get__(model.model.rotary_emb)
+        for module in model.modules():
+            if type(module).__name__ == "LlamaRMSNorm":
+                module.forward = _rms_norm_in_input_dtype.__get__(module)
+    return model.train()
+
+
+def _rms_norm_in_input_dtype(self, hidden):
+    return self.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+@torch.no_grad()
+def _rotary_in_fp64(self, x, position_ids):
+    angles = position_ids[..., None].double() * self.inv_freq.double()
+    angles = torch.cat((angles, angles), dim=-1)
+    return (angles.cos() * self.attention_scaling).to(x.dtype), (angles.sin() * self.attention_scaling).to(x.dtype)
+
+
+def main(case_name: str, out: Path, fsdp_alone: bool = False) -> None:
+    """``fsdp_alone``: one process, sharded over a process group of one (hardware.fsdp=true)."""
+    case = CASES[case_name]
+    ranks = distributed.init_from_env(timeout_s=60, single_process_group=fsdp_alone)
+    model = build_model(case["dtype"], case.get("attention", "sdpa"))
+    if case["checkpointing"]:
+        model.gradient_checkpointing_enable()
+    if ranks.world > 1 or fsdp_alone:
+        shard_policy(model, device="cpu")
+    seqs = grouped_seqs(PROMPTS, SAMPLES, seed=5)
+    if ranks.world == 2:  # groups 0-2 on rank 0, group 3 on rank 1
+        seqs = seqs[: 3 * SAMPLES] if ranks.rank == 0 else seqs[3 * SAMPLES:]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    common = dict(pad_id=0, temperature=0.8, **case["layout"])
+    if case.get("old_logprobs"):
+        fill_old_logprobs(model, seqs, **common)
+        # a pass without a backward must not leave the root's weights gathered (FSDP2 reshards a root after backward)
+        assert ranks.world == 1 or type(model.model.embed_tokens.weight).__name__ == "DTensor"
+    metrics = update_policy(model, optimizer, seqs, loss=algo(case["loss"]), grad_clip=case["grad_clip"],
+                            max_new_tokens=24, **common)
+    params = {name: distributed.whole(p).detach().clone() for name, p in model.named_parameters()}
+    grads = {name: distributed.whole(p.grad).detach().clone() for name, p in model.named_parameters()}  # clipped, as the step used them
+    if ranks.main:
+        torch.save({"metrics": metrics, "params": params, "grads": grads, "world": ranks.world}, out)
+    distributed.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), fsdp_alone=sys.argv[3:] == ["fsdp"])

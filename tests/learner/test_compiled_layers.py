@@ -1,0 +1,177 @@
+"""Compiled decoder layers, gradient checkpointing and kept matmul outputs (fgrpo.learner.compiled_layers): the same
+update as the eager model."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from fgrpo.learner.segment_attention import SEGMENT_ATTENTION
+from learner_cases import assert_same_update, grouped_seqs, make_seqs, update_grads
+
+
+def test_compiled_layers_give_the_eager_gradients(tiny_model):
+    from fgrpo.learner.compiled_layers import compile_decoder_layers
+
+    eager = copy.deepcopy(tiny_model)
+    eager.set_attn_implementation("eager")
+    compiled = copy.deepcopy(eager)
+    assert compile_decoder_layers(compiled) == 2
+    # two batches of different widths: the dynamic-shape graph serves both
+    for seed in (8, 9):
+        seqs = make_seqs(seed=seed, count=7 + seed % 2)
+        assert_same_update(update_grads(compiled, seqs), update_grads(eager, seqs), loss_atol=1e-5, grad_rel=1e-4)
+
+
+def test_grad_only_compiled_layers_learn_compiled_and_generate_eager(tiny_model):
+    """sampler=hf: the policy generates too, so its layers are compiled for the learner only."""
+    from torch._dynamo.utils import counters
+
+    from fgrpo.learner.compiled_layers import compile_decoder_layers
+
+    eager = copy.deepcopy(tiny_model)
+    eager.set_attn_implementation("eager")
+    compiled = copy.deepcopy(eager)
+    assert compile_decoder_layers(compiled, grad_only=True) == 2
+    torch._dynamo.reset()  # an earlier test's compiled layer graph would otherwise be reused, uncounted
+    compiled_frames = counters["frames"]["ok"]
+    seqs = make_seqs(seed=8, count=7)
+    assert_same_update(update_grads(compiled, seqs), update_grads(eager, seqs), loss_atol=1e-5, grad_rel=1e-4)
+    assert counters["frames"]["ok"] > compiled_frames, "the learner's forward did not run compiled"
+
+    compiled_frames = counters["frames"]["total"]
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        tokens = compiled.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        expected = eager.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert counters["frames"]["total"] == compiled_frames, "generation went through torch.compile"
+    assert torch.equal(tokens, expected)
+
+
+@pytest.mark.parametrize("autocast_dtype, loss_atol, grad_rel", [
+    (None, 1e-5, 1e-4),
+    (torch.bfloat16, 1e-3, 0.02),
+])
+@pytest.mark.parametrize("attention", ["eager", SEGMENT_ATTENTION])
+def test_checkpointed_compiled_layers_give_the_eager_gradients(tiny_model, autocast_dtype, loss_atol, grad_rel,
+                                                               attention):
+    """The CPU default (hardware=cpu): compiled layers recomputed in the backward instead of kept."""
+    from fgrpo.learner.compiled_layers import compile_decoder_layers
+
+    eager = copy.deepcopy(tiny_model).train()
+    eager.set_attn_implementation("eager")
+    checkpointed = copy.deepcopy(eager)
+    checkpointed.set_attn_implementation(attention)
+    checkpointed.gradient_checkpointing_enable()
+    # each layer runs twice per micro-batch when it is recomputed: count it on an uncompiled copy (a pre-hook:
+    # the recompute stops early, before a post-hook would run)
+    calls = []
+    counted = copy.deepcopy(checkpointed)
+    counted.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    seqs = make_seqs(seed=10, count=8)  # two micro-batches of 4
+    update_grads(counted, seqs, autocast_dtype=autocast_dtype)
+    assert len(calls) == 4
+    assert compile_decoder_layers(checkpointed) == 2
+    assert_same_update(update_grads(checkpointed, seqs, autocast_dtype=autocast_dtype),
+                       update_grads(eager, seqs, autocast_dtype=autocast_dtype), loss_atol=loss_atol, grad_rel=grad_rel)
+    # and packed, as hardware=cpu runs it (micro_batch_tokens): rows of several sequences through the compiled graph
+    assert_same_update(update_grads(checkpointed, seqs, autocast_dtype=autocast_dtype, micro_batch_tokens=40),
+                       update_grads(eager, seqs, autocast_dtype=autocast_dtype), loss_atol=loss_atol, grad_rel=grad_rel)
+    # and with shared prompts (the 4D mask, or the segments' index tensors, go through the compiled graph too)
+    groups = grouped_seqs(prompts=3, samples=4, seed=14)
+    shared = update_grads(checkpointed, groups, autocast_dtype=autocast_dtype, micro_batch_tokens=200, share_prompts=True)
+    assert shared[0]["computed_tokens"] < sum(len(s.prompt_ids) + len(s.completion_ids) for s in groups)
+    assert_same_update(shared, update_grads(eager, groups, autocast_dtype=autocast_dtype),
+                       loss_atol=loss_atol, grad_rel=grad_rel)
+
+
+@pytest.mark.parametrize("autocast_dtype, loss_atol, grad_rel", [
+    (None, 1e-5, 1e-4),
+    (torch.bfloat16, 1e-3, 0.02),
+])
+@pytest.mark.parametrize("attention", ["eager", SEGMENT_ATTENTION])
+def test_selective_checkpoint_keeps_matmul_outputs_and_gives_the_eager_gradients(
+        tiny_model, autocast_dtype, loss_atol, grad_rel, attention):
+    """hardware.keep_matmul_outputs_gib: layers that keep their matmul outputs recompute norms, attention and SiLU
+    in the backward but not the matmuls; the others are recomputed whole; the update is the eager one."""
+    import fgrpo.learner.learner as learner
+    from fgrpo.learner.compiled_layers import compile_decoder_layers, matmul_output_bytes
+
+    eager = copy.deepcopy(tiny_model).train()
+    eager.set_attn_implementation("eager")
+    selective = copy.deepcopy(eager)
+    selective.set_attn_implementation(attention)
+    with pytest.raises(ValueError, match="gradient_checkpointing_enable"):
+        learner.keep_matmul_outputs(selective, 1)
+    selective.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="selective_checkpoint=True"):
+        learner.keep_matmul_outputs(selective, 1)
+    assert compile_decoder_layers(selective, selective_checkpoint=True) == 2
+    # torch's four-line warning about the checkpoint's context_fn is dropped; that logger's other records are not
+    wrap_log = logging.getLogger("torch._higher_order_ops.wrap")
+    record = wrap_log.makeRecord(wrap_log.name, logging.WARNING, __file__, 0, "\nDetected that context_fn is passed "
+                                 "to torch.utils.checkpoint under torch.compile.\n", None, None)
+    assert not wrap_log.filter(record)
+    assert wrap_log.filter(wrap_log.makeRecord(wrap_log.name, logging.WARNING, __file__, 0, "other", None, None))
+    groups = grouped_seqs(prompts=3, samples=4, seed=15)
+    per_slot = matmul_output_bytes(selective, autocast_dtype)
+    assert per_slot == (2 * 32 + 2 * 16 + 2 * 64) * (2 if autocast_dtype else 4)  # q, o 32 wide; k, v 16; gate, up 64
+
+    def update_saving(kept_bytes):
+        """The update, and the last dimensions of the tensors autograd keeps for the backward."""
+        widths, kept_layers = [], []
+        original = learner.keep_matmul_outputs
+        learner.keep_matmul_outputs = lambda model, layers: kept_layers.append(layers) or original(model, layers)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: widths.append(t.shape[-1] if t.dim() else 0) or t,
+                                                          lambda t: t):
+                update = update_grads(selective, groups, autocast_dtype=autocast_dtype, micro_batch_tokens=200,
+                                      share_prompts=True, kept_matmul_bytes=kept_bytes)
+        finally:
+            learner.keep_matmul_outputs = original
+        return update, widths, kept_layers
+
+    reference = update_grads(eager, groups, autocast_dtype=autocast_dtype, micro_batch_tokens=200, share_prompts=True)
+    intermediate = eager.config.intermediate_size
+    for kept_bytes, layers in ((0, None), (200 * per_slot, 1), (10**9, 2)):
+        update, widths, kept_layers = update_saving(kept_bytes)
+        assert_same_update(update, reference, loss_atol=loss_atol, grad_rel=grad_rel)
+        if layers is None:  # every layer recomputed whole: only its input is kept
+            assert not kept_layers and intermediate not in widths
+            continue
+        # micro-batches of at most 200 token slots: a budget of 200 slots of one layer's outputs keeps at least one
+        assert kept_layers and min(kept_layers) >= layers
+        # the MLP's gate and up projections (intermediate_size wide) are kept, not recomputed from the layer's input
+        assert widths.count(intermediate) >= 2 * len(kept_layers)
+
+
+@pytest.mark.parametrize("override, fix", [
+    ("hardware.gradient_checkpointing=false", "hardware.gradient_checkpointing=true"),
+    ("hardware.compile_learner=false", "hardware.compile_learner=true"),
+])
+def test_kept_matmul_outputs_need_checkpointed_compiled_layers(compose, override, fix):
+    from fgrpo.config import validate
+    from fgrpo.infra.errors import ConfigError
+
+    validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=0.5"))
+    with pytest.raises(ConfigError, match=fix):
+        validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=0.5", override))
+    with pytest.raises(ConfigError, match="must be auto or >= 0"):
+        validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=-1"))
+    with pytest.raises(ConfigError, match="must be auto or >= 0"):
+        validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=lots"))
+    validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=0", override))  # 0: nothing kept, no need
+    validate(compose("hardware=cpu", override))  # auto: nothing kept without checkpointed compiled layers
+
+
+def test_missing_cpp_compiler_is_a_config_error_naming_the_fix():
+    from torch._inductor import config as inductor_config
+
+    from fgrpo.infra.errors import ConfigError
+    from fgrpo.learner.compiled_layers import require_cpp_compiler
+
+    require_cpp_compiler()  # this machine has one
+    with inductor_config.patch({"cpp.cxx": ("no-such-c++-compiler",)}):
+        with pytest.raises(ConfigError, match="hardware.compile_learner=false"):
+            require_cpp_compiler()

@@ -1,0 +1,566 @@
+import functools
+import gc
+import json
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from fgrpo.rollout.verifier import SCAN_CHARS, extract_answer, make_verifier, verify_math, verify_numeric
+
+# Sympy has to compute 10^(10^(10^10)) to compare it with anything: without a timeout this runs
+# until memory runs out.
+POWER_TOWER = r"The answer is \boxed{10^{10^{10^{10}}}}"
+
+
+def run_isolated(code: str, limit_s: float = 30.0) -> dict:
+    """Run ``code`` in a fresh interpreter: a broken timeout fails the test instead of hanging the suite."""
+    completed = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=limit_s
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+# --- extract_answer / verify_numeric ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The answer is 12.", "12"),
+        ("So 3 + 4 = 7", "7"),
+        (r"First \boxed{7}, then I checked 8 and 9.", "7"),  # a boxed answer wins over later numbers
+        (r"\boxed{1} and finally \boxed{ 2 }", "2"),  # the last box, stripped
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),  # nested braces balance
+        (r"\boxed{\{1,2\}}", r"\{1,2\}"),
+        (r"\boxed {5}", "5"),
+        (r"\boxed{unclosed 5", "5"),  # no balanced box: fall back to the last number
+        ("x = -3", "-3"),
+        ("It costs 1,234 dollars", "1234"),
+        ("about 2.5 units", "2.5"),
+        ("1,2345", "2345"),  # not a thousands group
+        ("from 2020-2021", "2021"),  # a hyphen between numbers is not a minus sign
+        ("no number here", None),
+        ("", None),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_extract_answer_searches_only_the_tail():
+    far_number = "42 " + "x" * (SCAN_CHARS + 10)
+    assert extract_answer(far_number) is None
+    assert extract_answer(far_number + " 7") == "7"
+
+
+@pytest.mark.parametrize(
+    "completion, answer, reward",
+    [
+        ("The answer is 12.", "12", 1.0),
+        ("The answer is 12.", "13", 0.0),
+        ("The answer is 7.0", "7", 1.0),
+        ("The answer is 7", "7.0", 1.0),
+        ("The answer is 7.5", "7", 0.0),
+        ("x = -3", "-3", 1.0),
+        ("x = 3", "-3", 0.0),
+        ("The total is 1,234.", "1234", 1.0),
+        ("The total is 1234.", "1,234", 1.0),
+        (r"\boxed{7} although 8 is close", "7", 1.0),
+        (r"\boxed{7} although 8 is close", "8", 0.0),
+        (r"\boxed{x = 7}", "7", 1.0),
+        (r"\boxed{12 \text{ cm}}", "12", 1.0),
+        (r"\boxed{1\,234}", "1234", 1.0),
+        (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+        (r"$\boxed{-\dfrac{3}{4}}$", "-0.75", 1.0),
+        ("1/2", "0.5", 0.0),  # a bare fraction is two numbers; the last is 2
+        ("I don't know", "7", 0.0),
+        (r"\boxed{}", "7", 0.0),
+        ("7", "seven", 0.0),  # a reference without a number matches nothing
+    ],
+)
+def test_verify_numeric(completion, answer, reward):
+    assert verify_numeric(completion, answer) == reward
+
+
+def test_verify_numeric_is_exact_for_big_numbers():
+    assert verify_numeric("12345678901234567890", "12345678901234567890") == 1.0
+    assert verify_numeric("12345678901234567891", "12345678901234567890") == 0.0
+    assert verify_numeric("0.1", "0.10000000000000001") == 0.0
+
+
+def test_verify_numeric_never_raises_on_wrong_types():
+    assert verify_numeric(None, "7") == 0.0
+    assert verify_numeric("7", None) == 0.0
+    assert extract_answer(None) is None
+
+
+PATHOLOGICAL = {
+    "digits": "1" * 200_000,
+    "digits then answer": "9" * 200_000 + " so 7",
+    "open braces": "{" * 200_000,
+    "close braces": "}" * 200_000,
+    "unclosed boxes": r"\boxed{" * 30_000,
+    "box holding digits": r"\boxed{" + "1" * 200_000 + "}",
+    "thousands chain": "1," * 100_000 + "2345",
+    "dots": "1." * 100_000,
+    "minus signs": "-" * 200_000,
+    "boxes and spaces": (r"\boxed" + " " * 1000) * 200,
+    "huge exponent": r"\boxed{1e999999999}" * 10_000,  # exponents are never evaluated
+}
+
+
+@pytest.mark.parametrize("name", list(PATHOLOGICAL))
+def test_numeric_is_fast_on_pathological_input(name):
+    started = time.perf_counter()
+    for _ in range(3):
+        reward = verify_numeric(PATHOLOGICAL[name], "7")
+        extract_answer(PATHOLOGICAL[name])
+    assert (time.perf_counter() - started) / 3 < 1.0
+    assert reward == (1.0 if name == "digits then answer" else 0.0)
+
+
+# --- verify_math -----------------------------------------------------------------------------
+
+
+# right and wrong answers in the forms models write, with math-verify's verdict
+MATH_CASES = [
+    (r"so the result is \boxed{0.5}", r"\frac{1}{2}", 1.0),
+    (r"so the result is \boxed{\frac{1}{2}}", "0.5", 1.0),
+    (r"so the result is \boxed{0.4}", r"\frac{1}{2}", 0.0),
+    (r"\boxed{2\sqrt{3}}", r"\sqrt{12}", 1.0),
+    (r"\boxed{2\sqrt{3}}", r"2\sqrt{2}", 0.0),
+    (r"\boxed{(3, \frac{\pi}{2})}", r"\left( 3, \frac{\pi}{2} \right)", 1.0),
+    (r"\boxed{1,234}", "1234", 1.0),
+    (r"The answer is $\boxed{5}$.", r"$5$", 1.0),  # a reference with its own delimiters
+    ("I give up.", "5", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion, answer, reward", MATH_CASES)
+def test_verify_math(completion, answer, reward):
+    assert verify_math(completion, answer) == reward
+
+
+def test_verify_math_never_raises_on_odd_input():
+    assert verify_math(None, "1") == 0.0
+    assert verify_math("1", None) == 0.0
+    assert verify_math(r"\boxed{\frac{1}{}}", "1") == 0.0
+    assert verify_math(r"\boxed{1}", r"\frac{") == 0.0
+
+
+def test_verify_math_rejects_a_bad_timeout():
+    for bad in (0, -1.0, float("nan"), float("inf"), "5", True):
+        with pytest.raises(ValueError, match="timeout_s"):
+            verify_math(r"\boxed{1}", "1", timeout_s=bad)
+
+
+def test_verify_math_times_out_on_a_power_tower_in_the_main_thread():
+    result = run_isolated(
+        f"""
+        import json, time
+        from fgrpo.rollout.verifier import verify_math
+        verify_math("1", "1")  # math-verify's import (not part of an answer's timeout)
+        started = time.perf_counter()
+        reward = verify_math({POWER_TOWER!r}, "1", timeout_s=1.0)
+        elapsed = time.perf_counter() - started
+        # the interrupted sympy/parser state must still give right answers afterwards
+        after = [verify_math(r"\\boxed{{0.5}}", r"\\frac{{1}}{{2}}"), verify_math(r"\\boxed{{3}}", "4")]
+        print(json.dumps({{"reward": reward, "elapsed": elapsed, "after": after}}))
+        """
+    )
+    assert result["reward"] == 0.0
+    assert result["elapsed"] < 1.0 + 2.0
+    assert result["after"] == [1.0, 0.0]
+
+
+def test_verify_math_times_out_in_a_worker_thread():
+    # A factorial sympy works out in Python: the watchdog can stop it (a C-level big power it cannot).
+    result = run_isolated(
+        r"""
+        import json, threading, time
+        from fgrpo.rollout.verifier import verify_math
+        verify_math("1", "1")  # math-verify's import (not part of an answer's timeout)
+        outcome = {}
+        def work():
+            started = time.perf_counter()
+            outcome["reward"] = verify_math(r"\boxed{99999999999!}", "1", timeout_s=1.0)
+            outcome["elapsed"] = time.perf_counter() - started
+            outcome["after"] = verify_math(r"\boxed{0.5}", r"\frac{1}{2}", timeout_s=1.0)
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join(30)
+        time.sleep(1.5)  # a cancelled watchdog must not raise into the thread later
+        outcome["alive"] = worker.is_alive()
+        print(json.dumps(outcome))
+        """
+    )
+    assert result["alive"] is False
+    assert result["reward"] == 0.0
+    assert result["elapsed"] < 1.0 + 2.0
+    assert result["after"] == 1.0
+
+
+def test_verify_math_in_a_thread_does_not_leak_its_timeout():
+    outcome = {}
+
+    def work():
+        outcome["reward"] = verify_math(r"\boxed{2}", "2", timeout_s=0.3)
+        time.sleep(0.6)  # past the timeout: a pending watchdog exception would surface here
+        outcome["survived"] = True
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join(10)
+    assert outcome == {"reward": 1.0, "survived": True}
+
+
+@pytest.mark.parametrize("name", ["open braces", "unclosed boxes", "digits", "box holding digits"])
+def test_verify_math_on_huge_input_returns_within_the_timeout(name):
+    started = time.perf_counter()
+    assert verify_math(PATHOLOGICAL[name], "7", timeout_s=2.0) == 0.0
+    assert time.perf_counter() - started < 2.0 + 2.0
+
+
+def test_verify_math_imports_math_verify_outside_the_timeout():
+    result = run_isolated(
+        r"""
+        import json
+        from fgrpo.rollout.verifier import verify_math
+        # the import alone takes about 0.8 s
+        print(json.dumps({"reward": verify_math(r"\boxed{0.5}", r"\frac{1}{2}", timeout_s=0.5)}))
+        """
+    )
+    assert result["reward"] == 1.0
+
+
+def test_verify_math_restores_the_alarm_handler_and_timer():
+    def previous_handler(signum, frame):
+        pass
+
+    saved_handler = signal.signal(signal.SIGALRM, previous_handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 100.0)
+        assert verify_math(r"\boxed{3}", "3") == 1.0
+        assert signal.getsignal(signal.SIGALRM) is previous_handler
+        remaining, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+        assert 90.0 < remaining <= 100.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, saved_handler)
+
+
+# --- make_verifier ---------------------------------------------------------------------------
+
+
+def test_make_verifier():
+    numeric = make_verifier("numeric")
+    assert numeric("The answer is 7", "7") == 1.0
+    math_verifier = make_verifier("math", timeout_s=3.0)
+    assert math_verifier(r"\boxed{0.5}", r"\frac{1}{2}") == 1.0
+    assert math_verifier.keywords == {"timeout_s": 3.0}
+    assert pickle.loads(pickle.dumps(math_verifier))(r"\boxed{2}", "3") == 0.0
+
+
+def test_make_verifier_rejects_unknown_kind_and_bad_timeout():
+    with pytest.raises(ValueError, match=r"unknown verifier kind 'exact'.*\['numeric', 'math'\]"):
+        make_verifier("exact")
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        make_verifier("math", timeout_s=0)
+
+
+# --- the verifier pool -----------------------------------------------------------------------
+
+# (completion, reference, math-verify's verdict): MATH_CASES and more forms models write
+POOL_CASES = [
+    *MATH_CASES,
+    (r"Adding them gives \boxed{42}.", "42", 1.0),
+    (r"Adding them gives \boxed{41}.", "42", 0.0),
+    (r"\boxed{-7}", "-7", 1.0),
+    (r"\boxed{7}", "-7", 0.0),
+    (r"\boxed{\dfrac{3}{4}}", r"\frac{3}{4}", 1.0),
+    (r"\boxed{\tfrac{3}{4}}", "0.75", 1.0),
+    (r"\boxed{\frac{4}{3}}", r"\frac{3}{4}", 0.0),
+    (r"\boxed{x^2 + 2x + 1}", r"(x+1)^2", 1.0),
+    (r"\boxed{x^2 + 2x}", r"(x+1)^2", 0.0),
+    (r"\boxed{[2, 5)}", r"[2,5)", 1.0),
+    (r"\boxed{(2, 5]}", r"[2,5)", 0.0),
+    (r"\boxed{\pi}", r"\pi", 1.0),
+    (r"\boxed{3.14}", r"\pi", 0.0),
+    (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt{2}}", 1.0),
+    (r"\boxed{\sqrt{3}}", r"\frac{1}{\sqrt{2}}", 0.0),
+    (r"\boxed{10\%}", "10", 0.0),
+    (r"\boxed{2^{10}}", "1024", 1.0),
+    (r"\boxed{2^{11}}", "1024", 0.0),
+    (r"\boxed{\{1, 2, 3\}}", r"\{3, 2, 1\}", 1.0),
+    (r"\boxed{\{1, 2\}}", r"\{1, 2, 3\}", 0.0),
+    (r"\boxed{\infty}", r"\infty", 1.0),
+    (r"\boxed{\ln(e^3)}", "3", 1.0),
+    (r"\boxed{\binom{5}{2}}", "10", 1.0),
+    (r"\boxed{5!}", "120", 1.0),
+    (r"\boxed{x = 3}", "3", 1.0),
+    (r"\boxed{y = 2x + 1}", r"2x+1", 1.0),
+    (r"\boxed{\text{(B)}}", r"\text{(B)}", 1.0),
+    (r"$x = \frac{-b}{2a}$, so the answer is $\boxed{-\frac{1}{2}}$", "-0.5", 1.0),
+    ("Therefore the area is 36 square units.", "36", 1.0),
+    ("Therefore the area is 35 square units.", "36", 0.0),
+    (r"\boxed{12\text{ cm}}", "12", 1.0),
+    (r"\boxed{3 + 2i}", r"3+2i", 1.0),
+    (r"\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", 1.0),
+    (r"\boxed{}", "5", 0.0),
+    (r"\boxed{\frac{1}{}}", "1", 0.0),
+    (r"\boxed{1}", r"\frac{", 0.0),
+    ("", "0", 0.0),
+    (POWER_TOWER, "1", 0.0),  # timed out
+]
+POOL_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def faulty_pool():
+    """Two workers running tests/helpers/verifier_faults.py's verify function (a stuck one is killed 1 s after its timeout)."""
+    from verifier_faults import faulty_verify
+
+    from fgrpo.rollout.verifier import VerifierPool
+
+    with VerifierPool(functools.partial(faulty_verify, timeout_s=POOL_TIMEOUT_S), workers=2,
+                      timeout_s=POOL_TIMEOUT_S, stuck_margin_s=1.0) as pool:
+        yield pool
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie left to a container's init counts as gone)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_pool_gives_the_serial_verdicts_in_order_despite_timeouts_and_crashes(faulty_pool, caplog):
+    from verifier_faults import FAULTS
+
+    completions = [c for c, _, _ in POOL_CASES]
+    answers = [a for _, a, _ in POOL_CASES]
+    serial = [verify_math(c, a, timeout_s=POOL_TIMEOUT_S) for c, a in zip(completions, answers)]
+    assert serial == [reward for _, _, reward in POOL_CASES]
+    # every fault among them, each scored 0.0 where it stands
+    at = [5, 17, 30, 41]
+    for position, fault in zip(at, FAULTS):
+        completions.insert(position, rf"\boxed{{1}} {fault}")
+        answers.insert(position, "1")
+        serial.insert(position, 0.0)
+    before = dict(faulty_pool.counters)
+    with caplog.at_level(logging.WARNING, logger="fgrpo.rollout.verifier"):
+        assert faulty_pool.verify_batch(completions, answers) == serial
+    assert faulty_pool.worker_deaths - before["worker_deaths"] == 3  # exit, kill, segfault
+    assert faulty_pool.stuck_workers_killed - before["stuck_workers_killed"] == 1  # the hang
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("died" in w for w in warnings) == 3 and sum("still on answer" in w for w in warnings) == 1
+    assert any("killed by SIGSEGV" in w for w in warnings) and any("exit code 3" in w for w in warnings)
+
+
+def test_pool_keeps_working_after_deaths(faulty_pool):
+    from verifier_faults import KILL
+
+    pids = set(faulty_pool.pids)
+    deaths = faulty_pool.worker_deaths
+    batch = [rf"\boxed{{{n}}}" for n in range(10)]
+    batch[3] += KILL
+    assert faulty_pool.verify_batch(batch, ["4"] * 10) == [0.0] * 4 + [1.0] + [0.0] * 5
+    assert faulty_pool.worker_deaths == deaths + 1
+    assert len(set(faulty_pool.pids) - pids) == 1  # the dead worker's replacement
+    assert faulty_pool(r"\boxed{\frac{1}{2}}", "0.5") == 1.0  # a single answer is a batch of one
+    assert faulty_pool.verify_batch([], []) == []
+
+
+def test_a_replacement_that_dies_while_starting_is_started_again(caplog):
+    from verifier_faults import KILL, faulty_verify
+
+    from fgrpo.rollout.verifier import VerifierPool
+
+    with VerifierPool(functools.partial(faulty_verify, timeout_s=POOL_TIMEOUT_S), workers=2,
+                      timeout_s=POOL_TIMEOUT_S) as pool:
+        assert pool.verify_batch([r"\boxed{1}", r"\boxed{2}"], ["1", "2"]) == [1.0, 1.0]  # both workers got ready
+        first = set(pool.pids)
+        assert pool.verify_batch([rf"\boxed{{1}} {KILL}"], ["1"]) == [0.0]  # one dies on the answer: replaced
+        (replacement,) = set(pool.pids) - first
+        os.kill(replacement, signal.SIGKILL)  # still importing math-verify
+        batch = [rf"\boxed{{{n}}}" for n in range(8)]
+        with caplog.at_level(logging.WARNING, logger="fgrpo.rollout.verifier"):
+            assert pool.verify_batch(batch, ["3"] * 8) == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+        deadline = time.monotonic() + 60
+        while len(set(pool.pids) - first - {replacement}) < 1 and time.monotonic() < deadline:
+            pool.verify_batch(batch, ["3"] * 8)
+        assert len(pool.pids) == 2 and replacement not in pool.pids  # started again
+        assert any("before it was ready; starting another (1 of 3)" in r.getMessage() for r in caplog.records)
+        assert pool.worker_deaths == 1  # the death on an answer; the failed start held none
+
+
+def test_pool_kills_a_worker_stuck_past_its_timeout():
+    from verifier_faults import HANG, faulty_verify
+
+    from fgrpo.rollout.verifier import VerifierPool
+
+    with VerifierPool(functools.partial(faulty_verify, timeout_s=0.5), workers=2, timeout_s=0.5,
+                      stuck_margin_s=0.5) as pool:
+        pool.verify_batch(["1"], ["1"])  # started
+        started = time.perf_counter()
+        assert pool.verify_batch([HANG, r"\boxed{2}"], ["1", "2"]) == [0.0, 1.0]
+        assert time.perf_counter() - started < 0.5 + 0.5 + 2.0
+        assert pool.counters == {"worker_deaths": 0, "stuck_workers_killed": 1}
+
+
+def test_pool_raises_the_verify_functions_own_error_and_recovers(faulty_pool):
+    from verifier_faults import RAISE
+
+    with pytest.raises(RuntimeError, match=r"raised on answer 1:(.|\n)*a bug in the verify function"):
+        faulty_pool.verify_batch([r"\boxed{1}", RAISE, r"\boxed{3}"], ["1", "2", "3"])
+    assert faulty_pool.verify_batch([r"\boxed{1}", r"\boxed{3}"], ["1", "2"]) == [1.0, 0.0]
+
+
+def test_pool_leaves_no_process_behind():
+    from fgrpo.rollout.verifier import make_verifier
+
+    with make_verifier("math", workers=2) as pool:
+        assert pool.pids == []  # started on first use
+        assert pool.verify_batch([r"\boxed{2}"] * 3, ["2", "3", "2"]) == [1.0, 0.0, 1.0]
+        pids = pool.pids
+        assert len(pids) == 2 and all(alive(pid) for pid in pids)
+    assert pool.pids == [] and not any(alive(pid) for pid in pids)
+    pool.start()  # again, ahead of its first batch
+    assert len(pool.pids) == 2 and pool.pids != pids
+    assert pool(r"\boxed{2}", "2") == 1.0
+    pids = pool.pids
+    del pool
+    gc.collect()  # the finalizer ends the workers of a pool nobody holds
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_workers_exit_when_the_pool_process_is_killed():
+    code = r"""
+import json, os, signal
+from fgrpo.rollout.verifier import make_verifier
+pool = make_verifier("math", workers=2)
+pool.verify_batch([r"\boxed{1}"], ["1"])
+print(json.dumps(pool.pids), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no finalizer, no atexit
+"""
+    # the workers share its stdout: run() returns once they have exited too
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    pids = json.loads(done.stdout)
+    deadline = time.monotonic() + 10  # their stdout closes a moment before they are gone
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pids) == 2 and not any(alive(pid) for pid in pids)
+
+
+def test_pool_reports_a_verify_function_its_workers_cannot_import():
+    import sys
+    import types
+
+    from fgrpo.rollout.verifier import VerifierPool
+
+    module = types.ModuleType("only_in_this_process")
+    exec("def verify(completion, answer):\n    return 1.0", module.__dict__)
+    sys.modules[module.__name__] = module
+    try:
+        with VerifierPool(module.verify, workers=2) as pool:
+            with pytest.raises(RuntimeError, match="before it was ready"):
+                pool.verify_batch(["1"], ["1"])
+            assert pool.pids == []
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_pool_pickles_its_settings_only(faulty_pool):
+    copy = pickle.loads(pickle.dumps(faulty_pool))
+    assert (copy.workers, copy.timeout_s, copy.stuck_margin_s) == (2, POOL_TIMEOUT_S, 1.0)
+    assert copy.pids == [] and copy.counters == {"worker_deaths": 0, "stuck_workers_killed": 0}
+
+
+def test_make_verifier_workers():
+    from fgrpo.rollout.verifier import VerifierPool
+
+    assert make_verifier("numeric", workers=4) is verify_numeric  # microseconds: never worth a process
+    assert isinstance(make_verifier("math", workers=1), functools.partial)  # in this process, as before
+    pool = make_verifier("math", timeout_s=3.0, workers=3)
+    assert isinstance(pool, VerifierPool) and (pool.workers, pool.timeout_s) == (3, 3.0)
+    assert pool.verify_fn.keywords == {"timeout_s": 3.0}
+    for bad in (0, -2, 1.5, "many", True, None):
+        with pytest.raises(ValueError, match="workers must be 'auto' or an int >= 1"):
+            make_verifier("math", workers=bad)
+
+
+@pytest.mark.parametrize("cores, ranks, expected", [(2, 1, 1), (1, 1, 1), (4, 1, 3), (64, 1, 8), (16, 4, 3),
+                                                    (8, 8, 1)])
+def test_auto_workers(monkeypatch, cores, ranks, expected):
+    from fgrpo.rollout.verifier import auto_verifier_workers, resolve_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    assert auto_verifier_workers() == resolve_workers("auto") == expected
+
+
+def test_verify_batch_with_a_plain_function():
+    from fgrpo.rollout.verifier import verify_batch
+
+    assert verify_batch(verify_numeric, ["7", "8", "x"], ["7", "7", "7"]) == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="2 completions but 1 answers"):
+        verify_batch(verify_numeric, ["7", "8"], ["7"])
+
+
+def test_sample_groups_verifies_a_draw_in_one_batch():
+    from fgrpo.rollout.data import Problem
+    from fgrpo.rollout.rollouts import sample_groups
+    from fgrpo.rollout.samplers import Completion
+
+    class Sampler:
+        def generate(self, prompts, group_size, **_):
+            return [[Completion([1], [0.0], False, f"\\boxed{{{len(p) + g}}}") for g in range(group_size)]
+                    for p in prompts]
+
+    class CountingVerifier:
+        batches = []
+
+        def __call__(self, completion, answer):
+            raise AssertionError("a verifier with verify_batch is called once per draw")
+
+        def verify_batch(self, completions, answers):
+            self.batches.append(len(completions))
+            return [verify_numeric(c, a) for c, a in zip(completions, answers)]
+
+    problems = [Problem(id=f"p{i}", question="q", answer=str(i + 2), source="test") for i in range(3)]
+    prompt_ids = {p.id: [0] * (i + 1) for i, p in enumerate(problems)}  # prompt i + 1 tokens long
+    groups = sample_groups(Sampler(), problems, prompt_ids, CountingVerifier(), group_size=3, max_new_tokens=4,
+                           temperature=1.0, top_p=1.0, seed=0)
+    assert CountingVerifier.batches == [9]
+    # problem i's answer is i + 2 and its completions say i + 1, i + 2, i + 3: the middle one is right
+    assert groups.correct.tolist() == [[0.0, 1.0, 0.0]] * 3
+
+
+@pytest.mark.parametrize("value", [0, -1, "many", 2.5, True])
+def test_config_rejects_bad_verifier_workers(compose, value):
+    from fgrpo.config import validate
+    from fgrpo.infra.errors import ConfigError
+
+    cfg = compose(f"dataset.verifier_workers={str(value).lower() if isinstance(value, bool) else value}")
+    with pytest.raises(ConfigError, match=r"dataset.verifier_workers=.*must be auto or an int >= 1"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("value", ["auto", 1, 4])
+def test_config_accepts_verifier_workers(compose, value):
+    from fgrpo.config import validate
+
+    validate(compose(f"dataset.verifier_workers={value}"))
