@@ -27,7 +27,7 @@ from omegaconf import DictConfig, open_dict
 
 from fgrpo.config import register_configs
 
-from fgrpo.infra.errors import ConfigError
+from fgrpo.infra.errors import BAD_INPUT
 
 register_configs()
 log = logging.getLogger("fgrpo")
@@ -60,10 +60,6 @@ def quiet_other_ranks(rank: int) -> None:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from fgrpo.infra import distributed
-    from fgrpo.infra.errors import CheckpointError
-    from fgrpo.infra.errors import DataError
-    from fgrpo.infra.errors import ModelSourceError
-    from fgrpo.infra.errors import SamplerUnavailable
     from fgrpo.train import train
 
     ranks = distributed.init_from_env()  # under Slurm: each task's rank from Slurm's variables
@@ -83,7 +79,7 @@ def main(cfg: DictConfig) -> float | None:
     log.info("run directory: %s%s", run_dir, f" (W&B group {cfg.logger.group})" if sweeping else "")
     try:
         final = train(cfg, run_dir, run_name=run_name, overrides=list(hydra_cfg.overrides.task), saved_config=saved)
-    except (ConfigError, DataError, ModelSourceError, SamplerUnavailable, CheckpointError) as error:
+    except BAD_INPUT as error:
         if ranks.main:
             log.error("%s", error)
         if sweeping:  # this job fails alone; the sweep goes on and reports it at the end

@@ -15,47 +15,8 @@ import logging
 import sys
 from pathlib import Path
 
-from fgrpo.infra import checkpoint
-from fgrpo.infra.errors import CheckpointError
-
-log = logging.getLogger("fgrpo")
-
-
-def find_checkpoint(run_dir: Path, step: int | None) -> Path:
-    """Checkpoint ``step`` of ``run_dir``, or its latest; raises CheckpointError naming what exists."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise CheckpointError(f"{run_dir} is not a directory: pass a run directory (outputs/DATE/TIME)")
-    complete = checkpoint.complete_checkpoints(run_dir)
-    steps = ", ".join(str(checkpoint.read_step(p)) for p in complete) or "none"
-    if step is None:
-        candidates = checkpoint.resume_candidates(run_dir)
-        if not candidates:
-            raise CheckpointError(
-                f"{run_dir} has no checkpoint (trainer.checkpoint_every, trainer.checkpoint_every_min make them)")
-        return candidates[0]
-    path = checkpoint.checkpoints_dir(run_dir) / checkpoint.step_name(step)
-    if path not in complete:
-        raise CheckpointError(f"{run_dir} has no complete checkpoint of step {step}; it has steps: {steps}")
-    return path
-
-
-def export(run_dir: Path, *, step: int | None = None, out: Path | None = None) -> Path:
-    """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as an HF folder; returns the folder."""
-    from omegaconf import OmegaConf
-
-    from fgrpo.learner.model import load_policy, load_tokenizer, resolve_model_folder
-
-    path = find_checkpoint(run_dir, step)
-    state = checkpoint.read_trainer_state(path)
-    model_cfg = OmegaConf.create(state.config["model"])
-    folder = resolve_model_folder(model_cfg)
-    policy = load_policy(folder, dtype=state.config["hardware"]["learner_dtype"], device="cpu", attention="sdpa")
-    checkpoint.load_checkpoint(path, policy)
-    out = Path(out) if out is not None else Path(run_dir) / "export" / checkpoint.step_name(state.step)
-    policy.save_pretrained(out)
-    load_tokenizer(folder).save_pretrained(out)
-    return out
+from fgrpo.infra.errors import BAD_INPUT
+from fgrpo.learner.model_source import export_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        out = export(args.run_dir, step=args.step, out=args.out)
-    except CheckpointError as error:
+        out = export_checkpoint(args.run_dir, step=args.step, out=args.out)
+    except BAD_INPUT as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"exported to {out}")

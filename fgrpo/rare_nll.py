@@ -26,149 +26,48 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from fgrpo.learner.packing import Sequence
+# the modules that import torch are imported inside the functions: the verifier's worker processes start by
+# re-importing this module (multiprocessing's spawn, under `python -m fgrpo.rare_nll`), and each would load torch
+from fgrpo.config import register_configs
+from fgrpo.infra.errors import BAD_INPUT
+from fgrpo.rollout.verifier import close_verifier
+
+if TYPE_CHECKING:
+    from fgrpo.evaluation.rare_set import RareSet
 
 log = logging.getLogger("fgrpo")
-
-SET_FILE = "rare_set.jsonl"
-META_FILE = "rare_set.json"
-SCORE_TOKENS = 16_384  # padded token slots per no-grad forward: long reasoning traces go a few at a time
-
-
-def token_budget_batches(seqs: list[Sequence], budget: int) -> list[list[Sequence]]:
-    """Consecutive batches whose padded size (count x longest prompt + completion) stays within ``budget`` token
-    slots; a sequence longer than the budget goes alone."""
-    batches, batch, longest = [], [], 0
-    for seq in seqs:
-        length = len(seq.prompt_ids) + len(seq.completion_ids)
-        if batch and (len(batch) + 1) * max(longest, length) > budget:
-            batches.append(batch)
-            batch, longest = [], 0
-        batch.append(seq)
-        longest = max(longest, length)
-    return batches + [batch] if batch else batches
-
-
-def length_normalised_nll(model, seqs: list[Sequence], *, pad_id: int, budget: int = SCORE_TOKENS) -> np.ndarray:
-    """``[S]`` float64: each completion's mean token NLL under ``model`` at temperature 1, without gradients.
-
-    Several ranks with a sharded model: every rank must pass the same ``seqs`` (each forward is collective).
-    """
-    from fgrpo.learner.forward import completion_logprobs
-
-    if any(not s.completion_ids for s in seqs):
-        raise ValueError("every sequence needs at least one completion token to have a length-normalised NLL")
-    was_training = model.training
-    model.eval()
-    nll = []
-    try:
-        with torch.no_grad():
-            for batch in token_budget_batches(seqs, budget):
-                logp, mask, _ = completion_logprobs(model, batch, pad_id=pad_id, temperature=1.0)
-                token_counts = mask.sum(dim=1).double()
-                nll += (-(logp.double() * mask).sum(dim=1) / token_counts).tolist()
-    finally:
-        model.train(was_training)
-    return np.asarray(nll, dtype=np.float64)
-
-
-def select_rarest(nll: np.ndarray, fraction: float) -> np.ndarray:
-    """Indices of the ``fraction`` of ``nll`` ``[S]`` with the highest values (at least one), highest first."""
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    if nll.ndim != 1 or nll.size == 0:
-        raise ValueError(f"nll must be a non-empty 1-D array, got shape {nll.shape}")
-    keep = max(1, int(round(fraction * nll.size)))
-    return np.argsort(-nll, kind="stable")[:keep]
-
-
-@dataclass
-class RareSet:
-    """The fixed set of rare correct trajectories and the base model's NLL on each."""
-
-    problems: list[str]
-    seqs: list[Sequence]
-    base_nll: np.ndarray  # [S]
-    meta: dict
-
-    @property
-    def base_mean(self) -> float:
-        return float(self.base_nll.mean())
-
-
-def save_rare_set(out_dir: Path, rare: RareSet, texts: list[str]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / SET_FILE, "w", encoding="utf-8") as file:
-        for problem, seq, nll, text in zip(rare.problems, rare.seqs, rare.base_nll, texts):
-            file.write(json.dumps({"problem": problem, "prompt_ids": seq.prompt_ids, "completion_ids": seq.completion_ids,
-                                   "base_nll": float(nll), "text": text}) + "\n")
-    (out_dir / META_FILE).write_text(json.dumps(rare.meta, indent=2) + "\n")
-
-
-def load_rare_set(path: str | Path) -> RareSet:
-    """A set written by ``build``: its folder or its rare_set.jsonl. Raises ValueError naming what is missing."""
-    path = Path(path)
-    folder = path if path.is_dir() else path.parent
-    if not (folder / SET_FILE).is_file():
-        raise ValueError(f"{path}: no {SET_FILE} there; build one with `python -m fgrpo.rare_nll build --out DIR`")
-    rows = [json.loads(line) for line in (folder / SET_FILE).read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not rows:
-        raise ValueError(f"{folder / SET_FILE} is empty")
-    meta = json.loads((folder / META_FILE).read_text()) if (folder / META_FILE).is_file() else {}
-    return RareSet([r["problem"] for r in rows], [Sequence(r["prompt_ids"], r["completion_ids"]) for r in rows],
-                   np.array([r["base_nll"] for r in rows], dtype=np.float64), meta)
-
-
-def check_vocabulary(rare: RareSet, vocab_size: int) -> None:
-    """The set's token ids must be the model's: a set built with another tokenizer would score nonsense."""
-    largest = max(max(s.prompt_ids + s.completion_ids) for s in rare.seqs)
-    if largest >= vocab_size:
-        raise ValueError(f"the rare set holds token id {largest}, past this model's vocabulary of {vocab_size}: it was "
-                         f"built with another tokenizer (its model: {rare.meta.get('model', 'unknown')}); build one with "
-                         "this model's tokenizer")
-
-
-def score(model, rare: RareSet, *, pad_id: int) -> dict[str, float]:
-    """``rare_nll``: the model's mean length-normalised NLL on the set; ``rare_nll_delta``: minus the base's."""
-    mean = float(length_normalised_nll(model, rare.seqs, pad_id=pad_id).mean())
-    return {"rare_nll": mean, "rare_nll_delta": mean - rare.base_mean}
 
 
 def build(cfg, out_dir: Path, *, prompts: int, samples: int, fraction: float, chunk_prompts: int = 8) -> RareSet:
     """Sample, verify and keep the rarest correct trajectories of the base model ``cfg.model`` (module docstring)."""
     from tqdm.auto import tqdm
 
-    from fgrpo.config import validate
-    from fgrpo.learner.model import load_policy, resolve_model_folder
+    from fgrpo.evaluation.rare_set import RareSet, length_normalised_nll, save_rare_set, select_rarest
+    from fgrpo.learner.model import load_policy
+    from fgrpo.learner.packing import Sequence
+    from fgrpo.prepare import make_sampler, prepare
     from fgrpo.rollout.rollouts import prompt_seeds, sample_groups
-    from fgrpo.rollout.samplers import require_vllm
-    from fgrpo.train import _encode_prompts, load_data, make_sampler, settle_hardware
-    from fgrpo.rollout.verifier import close_verifier, make_verifier
 
     if prompts < 1 or samples < 1:
         raise ValueError(f"--prompts and --samples must be >= 1, got {prompts} and {samples}")
     select_rarest(np.zeros(1), fraction)  # checks the fraction before the model loads
-    validate(cfg)
-    data = load_data(cfg.dataset)
-    if prompts > len(data.train):
-        raise ValueError(f"--prompts {prompts} is more than the {len(data.train)} training prompts of dataset="
-                         f"{cfg.dataset.name}: pass --prompts {len(data.train)} or fewer")
-    verifier = make_verifier(cfg.dataset.verifier, timeout_s=cfg.dataset.verifier_timeout_s,
-                             workers=cfg.dataset.verifier_workers)
-    if cfg.sampler.name == "vllm":
-        require_vllm()
-    order = np.random.default_rng(cfg.seed).permutation(len(data.train))[:prompts]
-    problems = [data.train[i] for i in order]
-    folder = resolve_model_folder(cfg.model)
-    settle_hardware(cfg)
-    tokenizer, prompt_ids = _encode_prompts(cfg, folder, data)
+
+    def enough_prompts(data) -> None:
+        if prompts > len(data.train):
+            raise ValueError(f"--prompts {prompts} is more than the {len(data.train)} training prompts of dataset="
+                             f"{cfg.dataset.name}: pass --prompts {len(data.train)} or fewer")
+
+    run = prepare(cfg, training=False, check_data=enough_prompts)
+    verifier, folder, tokenizer, prompt_ids = run.verifier, run.folder, run.tokenizer, run.prompt_ids
+    order = np.random.default_rng(cfg.seed).permutation(len(run.data.train))[:prompts]
+    problems = [run.data.train[i] for i in order]
     policy = load_policy(folder, dtype=cfg.hardware.learner_dtype, device=cfg.hardware.device)
     sampler = make_sampler(cfg, folder, policy, tokenizer)
     start = time.perf_counter()
@@ -211,8 +110,6 @@ def build(cfg, out_dir: Path, *, prompts: int, samples: int, fraction: float, ch
 def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    from fgrpo.config import register_configs
-
     register_configs()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
@@ -221,10 +118,9 @@ def _compose(overrides: list[str]):
 def score_model(set_path: Path, model_spec: str, device: str = "cpu") -> dict[str, float]:
     """``score``: the model that ``model_spec`` names (as fgrpo.evaluate's ``eval.model``) on the set, in fp32 on
     ``device``."""
-    import tempfile
-
-    from fgrpo.evaluate import locate_model, model_folder
+    from fgrpo.evaluation.rare_set import check_vocabulary, load_rare_set, score
     from fgrpo.learner.model import load_policy, load_tokenizer
+    from fgrpo.learner.model_source import locate_model, model_folder
 
     rare = load_rare_set(set_path)  # a missing set fails before the model loads
     source = locate_model(model_spec)
@@ -238,10 +134,6 @@ def score_model(set_path: Path, model_spec: str, device: str = "cpu") -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fgrpo.infra.errors import CheckpointError
-    from fgrpo.infra.errors import ConfigError
-    from fgrpo.infra.errors import ModelSourceError
-
     parser = argparse.ArgumentParser(prog="python -m fgrpo.rare_nll", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     make = commands.add_parser("build", help="build the fixed set from the base model")
@@ -265,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{rare.base_mean:.4f} (threshold {rare.meta['nll_threshold']:.4f}), written to {args.out}")
             return 0
         result = score_model(args.rare_set, args.model, args.device)
-    except (ValueError, ConfigError, ModelSourceError, CheckpointError) as error:
+    except (ValueError, *BAD_INPUT) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"rare NLL {result['rare_nll']:.4f} (base {result['base_nll']:.4f}, delta {result['rare_nll_delta']:+.4f}) "

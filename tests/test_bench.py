@@ -42,7 +42,7 @@ def test_parse_workload():
 
 def test_a_long_workload_leaves_room_for_its_prompts():
     """16x8x512 (the GPU check's) once stopped at fgrpo's prompt-length check: 512 new tokens in a 512-token model."""
-    from fgrpo.train import prepare
+    from fgrpo.prepare import prepare
 
     cfg = load_module().compose_config({"workload": (16, 8, 512), "model": "tiny_random", "steps": 2, "lr": 1e-6,
                                         "sampler": "hf"})

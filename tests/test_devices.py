@@ -126,7 +126,7 @@ def test_fused_logprobs_on_cuda_match_cpu():
 @needs_cuda
 def test_training_run_on_cuda_with_the_hf_sampler(compose, tmp_path):
     from fgrpo.train import train
-    from fgrpo.infra.tracking import read_metrics
+    from fgrpo.infra.run_files import read_metrics
 
     cfg = compose("model=tiny_random", "hardware=gpu", "sampler=hf", "logger=none", "trainer.steps=2",
                   "trainer.prompts_per_step=2", "algo.group_size=4", "eval.n_samples=2", "eval.max_problems=4",

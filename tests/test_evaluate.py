@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from fgrpo.infra.errors import ConfigError
-from fgrpo.evaluate import locate_model
+from fgrpo.learner.model_source import locate_model
 from fgrpo.evaluation.held_out import COUNTS_FILE
 from fgrpo.evaluation.pass_at_k import pass_at_k
-from fgrpo.infra.tracking import read_metrics
+from fgrpo.infra.run_files import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["trainer.prompts_per_step=2", "algo.group_size=4", "eval.n_samples=8", "eval.max_problems=8",

@@ -3,7 +3,7 @@
 import json
 
 from fgrpo.rollout.data import arithmetic_problems
-from fgrpo.infra.tracking import COUNTS_FILE, read_jsonl, read_metrics
+from fgrpo.infra.run_files import COUNTS_FILE, read_jsonl, read_metrics
 from test_run import run_cli
 
 

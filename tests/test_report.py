@@ -341,17 +341,6 @@ def test_over_seeds_section_left_out_with_one_seed_per_cell_and_dashes_for_a_lon
 # ---------------------------------------------------------------- the runs table and the success-rate figure
 
 
-def test_success_rate_shares_bin_edges():
-    from fgrpo.report import SUCCESS_BINS, success_rate_shares
-
-    rates = np.array([0, 0, 0.05, 0.125, 0.2, 0.25, 0.5, 0.74, 0.75, 0.99, 1, 1])
-    shares = success_rate_shares(rates)
-    assert len(shares) == len(SUCCESS_BINS)
-    np.testing.assert_allclose(shares * len(rates), [2, 1, 2, 1, 2, 2, 2])  # 0 and 1 only in their own bins
-    with pytest.raises(ValueError, match="no success rates"):
-        success_rate_shares(np.array([]))
-
-
 def runs_section(md: str) -> dict:
     """{(algo, gamma, seed): cells} of report.md's runs table."""
     section = md.split("## Runs")[1]

@@ -18,7 +18,7 @@ import torch
 
 from fgrpo.infra import checkpoint
 from fgrpo.evaluation.held_out import COUNTS_FILE
-from fgrpo.infra.tracking import SUPERSEDED_FILE, read_metrics
+from fgrpo.infra.run_files import SUPERSEDED_FILE, read_metrics
 from test_sweep import LAUNCH_ENV, SLURM, sacct_states
 from wandb_files import read_wandb_run
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fgrpo.rollout.samplers import vllm_available
-from fgrpo.infra.tracking import read_metrics
+from fgrpo.infra.run_files import read_metrics
 from wandb_files import read_wandb_history, read_wandb_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -274,22 +274,6 @@ def test_interrupted_run_keeps_its_directory_and_metrics(tmp_path):
     assert read_wandb_history(tmp_path), "the W&B file of the interrupted run holds no history"
 
 
-def test_interrupt_record_raises_as_python_does_and_restores_the_handler_before():
-    from fgrpo.train import _remembering_interrupts
-
-    def mine(signum, frame):
-        raise AssertionError("the training loop's handler should be the one called")
-
-    previous = signal.signal(signal.SIGINT, mine)
-    try:
-        with _remembering_interrupts() as interrupted:
-            with pytest.raises(KeyboardInterrupt):
-                os.kill(os.getpid(), signal.SIGINT)
-                time.sleep(1)  # the handler runs between bytecodes; it never gets here
-            assert interrupted == [signal.SIGINT]  # recorded, for an interrupt that something swallowed
-        assert signal.getsignal(signal.SIGINT) is mine  # train() may be one call of a longer program
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def test_dapo_options_run_and_skip_steps_without_mixed_groups(tmp_path):

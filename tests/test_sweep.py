@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fgrpo.infra.tracking import read_metrics
+from fgrpo.infra.run_files import read_metrics
 from fgrpo.infra.wandb_file import iter_records
 from wandb_files import find_wandb_run_file, read_wandb_run
 

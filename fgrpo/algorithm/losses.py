@@ -22,7 +22,7 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 @dataclass(frozen=True)
 class LossSettings:
     """One algorithm's policy loss (the ``algo`` config group): what :func:`policy_loss` takes besides tensors. No
-    defaults: they live in the config schema (``AlgoConfig``); ``fgrpo.train.loss_settings(cfg.algo)`` builds it."""
+    defaults: they live in the config schema (``AlgoConfig``); ``fgrpo.prepare.loss_settings(cfg.algo)`` builds it."""
 
     algo: str  # a name in ALGOS
     clip_low: float

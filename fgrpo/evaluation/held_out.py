@@ -15,7 +15,7 @@ from fgrpo.rollout.data import Problem
 from fgrpo.evaluation.pass_at_k import pass_at_k_curve
 from fgrpo.infra.distributed import SINGLE, Ranks, gather_objects
 from fgrpo.rollout.rollouts import prompt_seeds, sample_groups
-from fgrpo.infra.tracking import COUNTS_FILE
+from fgrpo.infra.run_files import COUNTS_FILE
 
 Curve = list[tuple[int, float, float, float]]  # (k, pass@k, ci_low, ci_high)
 # COUNTS_FILE: one JSON row per problem per evaluation, {"step", "dataset", "problem", "n", "c"} (c of the n samples

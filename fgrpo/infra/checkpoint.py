@@ -34,12 +34,11 @@ import numpy as np
 import torch
 
 from fgrpo.infra import distributed
-from fgrpo.infra.tracking import write_text_atomic
+from fgrpo.infra.run_files import CHECKPOINTS, write_text_atomic
 from fgrpo.infra.errors import CheckpointError
 
 log = logging.getLogger("fgrpo")
 
-CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TRAINER_FILE = "trainer.pt"
 WEIGHTS = "weights"

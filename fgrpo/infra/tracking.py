@@ -9,7 +9,7 @@ tracker logs ONE warning (logger ``"fgrpo"``) and goes on with metrics.jsonl alo
 metrics.jsonl holds one JSON object per :meth:`Tracker.log` call,
 ``{"step": step, "time": unix_seconds, **metrics}``; list values (histograms) are JSON lists.
 Non-finite floats (NaN, +-inf) are written as ``null`` because ``NaN`` is not valid JSON;
-:func:`read_metrics` turns ``null`` back into ``nan`` (the sign of an infinity is not kept there;
+:func:`fgrpo.infra.run_files.read_metrics` turns ``null`` back into ``nan`` (the sign of an infinity is not kept there;
 W&B gets the exact value).
 
 Plots are :mod:`fgrpo.evaluation.plots`; tests read W&B's run files back with ``tests/helpers/wandb_files.py``.
@@ -22,11 +22,11 @@ import logging
 import math
 import numbers
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from fgrpo.infra.run_files import METRICS_FILE, SUMMARY_FILE, supersede_rows_after, write_json_atomic
 from fgrpo.infra.wandb_file import wait_for_exit_record
 
 __all__ = [
@@ -34,7 +34,6 @@ __all__ = [
     "WANDB_MODES",
     "Tracker",
     "resolve_wandb_mode",
-    "read_metrics",
 ]
 
 logger = logging.getLogger("fgrpo")
@@ -43,10 +42,6 @@ BACKENDS = ("wandb", "none")
 WANDB_MODES = ("offline", "online", "disabled", "shared", "dryrun", "run")
 """The modes wandb 0.31's ``wandb.Settings`` accepts; anything else is a config typo."""
 
-METRICS_FILE = "metrics.jsonl"
-COUNTS_FILE = "eval_counts.jsonl"  # per-problem correct counts of each evaluation (fgrpo.evaluation.held_out)
-SUMMARY_FILE = "summary.json"
-SUPERSEDED_FILE = "metrics_superseded.jsonl"  # rows a resumed run dropped from metrics.jsonl (see Tracker)
 _RESERVED_KEYS = ("step", "time")
 
 # Quiet and cheap, but keep what helps reproduce a run (git commit, hardware, pip freeze) and the
@@ -107,13 +102,6 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def _nulls_to_nan(value: Any) -> Any:
-    """Undo :func:`_json_safe` for reading: null (a non-finite float) becomes nan."""
-    if value is None:
-        return math.nan
-    if isinstance(value, list):
-        return [_nulls_to_nan(v) for v in value]
-    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,7 +258,7 @@ class Tracker:
                 raise ValueError(f"summary keys must be non-empty strings, got {key!r}")
         plain = {key: _json_safe_keep_nan(value) for key, value in metrics.items()}
         self._summary.update(plain)
-        _write_json_atomic(self.summary_path, _json_safe(self._summary))
+        write_json_atomic(self.summary_path, _json_safe(self._summary))
         if self._wandb_run is not None:
             self._wandb_call("summary", lambda: self._wandb_run.summary.update(plain))
 
@@ -420,26 +408,6 @@ class Tracker:
             raise ValueError(f"metric key {key!r} starts with '_', which W&B reserves for its own keys")
 
 
-def supersede_rows_after(path: Path, last_step: int) -> int:
-    """Keep in the jsonl file ``path`` (metrics.jsonl, eval_counts.jsonl) the rows up to ``last_step``; move later
-    ones (and a half-written last line) to ``<stem>_superseded.jsonl`` beside it (metrics_superseded.jsonl), so
-    nothing logged is lost. The file is replaced atomically. Returns how many rows moved."""
-    if not path.exists():
-        return 0
-    kept, moved = [], []
-    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
-        try:
-            row_step = json.loads(line)["step"] if line.endswith("\n") else None
-        except (ValueError, KeyError, TypeError):
-            row_step = None
-        (kept if row_step is not None and row_step <= last_step else moved).append(line)
-    if moved:
-        superseded_path = path.with_name(f"{path.stem}_superseded.jsonl")
-        with open(superseded_path, "a", encoding="utf-8") as superseded:
-            superseded.writelines(line if line.endswith("\n") else line + "\n" for line in moved)
-        write_text_atomic(path, "".join(kept))
-        logger.info("%s: %d rows after step %d moved to %s", path, len(moved), last_step, superseded_path.name)
-    return len(moved)
 
 
 def _end_of_last_complete_line(file, size: int, window: int = 64 * 1024) -> int:
@@ -468,64 +436,13 @@ def _json_safe_keep_nan(value: Any) -> Any:
     return value
 
 
-def _write_json_atomic(path: Path, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, allow_nan=False, sort_keys=True) + "\n")
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` via a fsynced temp file + rename, so a crash leaves the old file or the new one, never half."""
-    handle, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as tmp:
-            tmp.write(text)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
 
 
-# --------------------------------------------------------------------------------------------
-# reading metrics.jsonl
-# --------------------------------------------------------------------------------------------
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl (or of the metrics.jsonl in a run directory), in order.
 
-    A last line that does not parse is skipped: it is the one a crash cut short. ``null`` values
-    become ``nan`` (they were non-finite floats).
-
-    Raises:
-        ValueError: a line other than the last is not valid JSON (the file is corrupt).
-    """
-    path = Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    return [{key: _nulls_to_nan(value) for key, value in row.items()} for _, row in read_jsonl(path)]
-
-
-def read_jsonl(path: Path) -> list[tuple[int, Any]]:
-    """``(line number, parsed value)`` of each non-blank line of a JSON-lines file that this project appends to
-    (metrics.jsonl, eval_counts.jsonl). A last line that does not parse is skipped: a crash cut it short.
-
-    Raises:
-        ValueError: a line other than the last is not valid JSON (the file is corrupt).
-    """
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((number, json.loads(line)))
-        except json.JSONDecodeError as error:
-            if number == len(lines):
-                logger.debug("skipping truncated last line %d of %s", number, path)
-                break
-            raise ValueError(f"{path}:{number} is not valid JSON ({error}); the file is corrupt") from error
-    return rows
 
 
 class NoTracker:

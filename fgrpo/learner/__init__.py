@@ -1,3 +1,5 @@
-"""The learner: the policy's model folder and weights (model.py), the packed forward pass and its attention kernels
-(forward.py, packing.py, segment_attention.py, flex_attention.py, logprobs.py), compiled and checkpointed layers,
-and the update itself (learner.py: micro-batches, FSDP2, the optimizer, the weight push into the sampler)."""
+"""The learner: model folders and weights (model.py; model_source.py: what ``eval.model`` names, and a checkpoint
+exported as an HF folder), the packed forward pass and its attention kernels (packing.py, forward.py,
+segment_attention.py on CPU, flex_attention.py on CUDA, logprobs.py), compiled and checkpointed layers
+(compiled_layers.py), the GPU memory check (gpu_memory.py), and the update itself (learner.py: micro-batches, FSDP2,
+the optimizer, the weight push into the sampler)."""

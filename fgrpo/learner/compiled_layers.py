@@ -9,11 +9,11 @@ import logging
 
 import torch
 
+from fgrpo.infra.errors import ConfigError
+
 
 def require_cpp_compiler() -> None:
     """torch.compile on CPU writes C++; fail before the model loads when there is no compiler."""
-    from fgrpo.infra.errors import ConfigError
-
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from fgrpo.infra.errors import ConfigError
+
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # bytes of activations per token and hidden unit of one decoder layer in bf16 during its backward (attention and MLP
@@ -83,8 +85,6 @@ def check_learner_fits_gpus(folder: Path, cfg, world: int) -> None:
     import logging
 
     import torch
-
-    from fgrpo.infra.errors import ConfigError
 
     hw, sampler = cfg.hardware, cfg.sampler
     shape = model_shape(folder)

@@ -29,7 +29,7 @@ log = logging.getLogger("fgrpo")
 @dataclass(frozen=True)
 class LearnerSettings:
     """How the learner computes (the ``hardware`` config group) and steps (``trainer``). No defaults here: they live
-    in the config schemas (fgrpo/config.py), and ``fgrpo.train.learner_settings(cfg)`` builds this from a config."""
+    in the config schemas (fgrpo/config.py), and ``fgrpo.prepare.learner_settings(cfg)`` builds this from a config."""
 
     model_name: str  # for messages
     max_new_tokens: int  # the sampler's limit: Dr. GRPO's norm constant (loss_agg=seq-mean-token-sum-norm)
@@ -65,7 +65,7 @@ class Learner:
     (a KV cache would recompile them at each length).
 
     The process-wide memory settings (glibc's, the matmul kernel caches') are not made here: they must be in
-    place before vLLM starts, so ``fgrpo.train.prepare`` sets them (fgrpo.infra.process_memory).
+    place before vLLM starts, so ``fgrpo.prepare.prepare`` sets them (fgrpo.infra.process_memory).
     """
 
     def __init__(self, folder: Path, settings: LearnerSettings, loss: LossSettings, *, pad_id: int,

@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from fgrpo.infra.errors import ModelSourceError
+from fgrpo.infra.errors import ConfigError, ModelSourceError
 from fgrpo.infra.hub import hub_reachable, offline_env_var
 
 log = logging.getLogger("fgrpo")
@@ -212,8 +212,6 @@ def load_policy(folder: Path, *, dtype: str, device: str, attention: str = "sdpa
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if attention in ("segments", "flex"):
-        from fgrpo.infra.errors import ConfigError
-
         if attention == "segments":
             from fgrpo.learner.segment_attention import SEGMENT_ATTENTION as implementation
             from fgrpo.learner.segment_attention import SEGMENT_ATTENTION_MODELS as supported

@@ -25,21 +25,14 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf
 
+from fgrpo.config import validate, validate_layout
+from fgrpo.infra.errors import BAD_INPUT, ConfigError  # BAD_INPUT: errors whose message says everything
+
 log = logging.getLogger("fgrpo")
 
 
 class SweepJobFailed(RuntimeError):
     """One sweep job failed; the message names the job and its log paths."""
-
-
-def _bad_input_errors() -> tuple[type, ...]:
-    """Errors whose message says everything (no traceback needed)."""
-    from fgrpo.infra.errors import ConfigError
-    from fgrpo.infra.errors import DataError
-    from fgrpo.infra.errors import ModelSourceError
-    from fgrpo.infra.errors import SamplerUnavailable
-
-    return ConfigError, DataError, ModelSourceError, SamplerUnavailable
 
 
 def _first_line(error: BaseException) -> str:
@@ -60,7 +53,7 @@ def describe_failure(result: JobReturn, job_num: int) -> str:
         run_dir = Path(str(hydra_cfg.runtime.output_dir))
         lines.append(f"    log: {run_dir / (str(hydra_cfg.job.name) + '.log')}")
         lines.append(f"    run dir: {run_dir}")
-    if isinstance(error, BaseException) and not isinstance(error, _bad_input_errors()):
+    if isinstance(error, BaseException) and not isinstance(error, BAD_INPUT):
         trace = "".join(traceback.format_exception(error)).rstrip()
         lines.append("    " + trace.replace("\n", "\n    "))
     return "\n".join(lines)
@@ -69,9 +62,6 @@ def describe_failure(result: JobReturn, job_num: int) -> str:
 class ValidatingSweeper(BasicSweeper):
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         super().validate_batch_is_legal(batch)  # each job composes
-        from fgrpo.config import validate, validate_layout
-        from fgrpo.infra.errors import ConfigError
-
         loader = self.hydra_context.config_loader
         problems = []
         for overrides in batch:

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fgrpo.infra import checkpoint  # noqa: E402
 from fgrpo.infra.errors import CheckpointError  # noqa: E402
-from fgrpo.infra.tracking import Tracker, read_metrics  # noqa: E402
+from fgrpo.infra.tracking import Tracker  # noqa: E402
+from fgrpo.infra.run_files import read_metrics
 
 
 def model_and_optimizer(hidden: int = 256):

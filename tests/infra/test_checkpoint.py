@@ -1,6 +1,6 @@
 """Checkpoints (fgrpo/infra/checkpoint.py): bitwise round trips, the ``latest`` pointer and pruning, falling back past a
-partial or corrupt checkpoint, a kill during a save, a full disk; and the resume rules (config.experiment_differences,
-tracking.supersede_rows_after). Whole runs that resume are in tests/test_resume.py."""
+partial or corrupt checkpoint, a kill during a save, a full disk. The resume rules: tests/test_checkpointing.py; whole
+runs that resume: tests/test_resume.py."""
 
 import json
 import os
@@ -19,8 +19,6 @@ import torch
 from checkpoint_saves import model_and_optimizer
 from fgrpo.infra import checkpoint
 from fgrpo.infra.errors import CheckpointError
-from fgrpo.config import experiment_differences
-from fgrpo.infra.tracking import SUPERSEDED_FILE, read_metrics, supersede_rows_after
 
 CHILDREN = Path(__file__).resolve().parents[1] / "children"
 
@@ -172,33 +170,6 @@ def test_a_full_disk_is_a_clear_error_that_keeps_the_previous_checkpoint_and_the
     assert [(row["step"], row["train/loss"]) for row in verdict["rows"]] == [(1, 1.0), (2, 2.0), (3, 3.0)]
 
 
-def test_only_changes_to_the_experiment_block_a_resume():
-    saved = {"focal": {"gamma": 1.0}, "algo": {"name": "grpo", "group_size": 8}, "trainer": {"lr": 1e-6, "steps": 100},
-             "hardware": {"micro_batch_size": 4, "learner_dtype": "float32"}, "logger": {"name": "wandb"}, "seed": 0}
-    same_experiment = json.loads(json.dumps(saved))
-    same_experiment["trainer"]["steps"] = 300  # extending a run
-    same_experiment["hardware"]["micro_batch_size"] = 8  # another machine, other ranks
-    same_experiment["logger"]["name"] = "none"
-    assert experiment_differences(saved, same_experiment) == []
-    other = json.loads(json.dumps(saved))
-    other["focal"]["gamma"], other["trainer"]["lr"], other["hardware"]["learner_dtype"] = 0.5, 1e-5, "bfloat16"
-    other["algo"]["new_option"] = True  # a key a later fgrpo added: the saved run ran its default
-    del other["seed"]  # a key that went away
-    assert experiment_differences(saved, other) == [
-        "focal.gamma: 1.0 -> 0.5", "hardware.learner_dtype: 'float32' -> 'bfloat16'", "seed: 0 -> '<absent>'",
-        "trainer.lr: 1e-06 -> 1e-05"]
-
-
-def test_rows_after_the_checkpoint_move_aside_and_a_half_line_with_them(tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    rows = [{"step": s, "train/loss": float(s)} for s in (0, 1, 2, 3, 4)]
-    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "tra')
-    assert supersede_rows_after(metrics, 2) == 3
-    assert [r["step"] for r in read_metrics(metrics)] == [0, 1, 2]
-    moved = (tmp_path / SUPERSEDED_FILE).read_text().splitlines()
-    assert [json.loads(line)["step"] for line in moved[:2]] == [3, 4] and moved[2] == '{"step": 5, "tra'
-
-
 def test_a_checkpoint_whose_trainer_state_does_not_read_is_passed_over(tmp_path, caplog):
     model, optimizer = model_and_optimizer(hidden=16)
     for step in (1, 2):
@@ -220,39 +191,3 @@ def test_a_save_after_falling_back_removes_the_abandoned_later_checkpoints_not_i
     checkpoint.save_checkpoint(tmp_path, model, optimizer, state(3), keep=1)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000003"]
     assert (root / "latest").read_text() == "step_0000003"
-
-
-def test_a_stop_that_misses_its_deadline_hands_over_at_once():
-    """SIGUSR2 under a handler such as submitit's: if no step boundary comes within the deadline, that handler runs
-    (it requeues the job) from wherever the run is. Here it is a stand-in that records the call."""
-    from fgrpo.train import _stop_requests
-
-    handed_over = []
-    before = signal.signal(signal.SIGUSR2, lambda signum, frame: handed_over.append(signum))
-    try:
-        with _stop_requests(deadline_s=1) as requests:
-            os.kill(os.getpid(), signal.SIGUSR2)
-            time.sleep(0.2)
-            assert requests == [signal.SIGUSR2] and handed_over == []  # recorded, not handed over yet
-            deadline = time.time() + 10
-            while not handed_over and time.time() < deadline:
-                time.sleep(0.05)
-            assert handed_over == [signal.SIGUSR2]
-        assert signal.getsignal(signal.SIGUSR2) is not None and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
-    finally:
-        signal.signal(signal.SIGUSR2, before)
-
-
-def test_resume_false_holds_for_the_first_attempt_only(compose, tmp_path, monkeypatch):
-    """A requeued Slurm job (or a restarted torchrun) repeats the first attempt's command: trainer.resume=false
-    must not throw away what the attempts before saved."""
-    from fgrpo.config import to_container
-    from fgrpo.train import plan_resume
-
-    cfg = compose("trainer.resume=false")
-    model, optimizer = model_and_optimizer(hidden=16)
-    checkpoint.save_checkpoint(tmp_path, model, optimizer, state(2, config=to_container(cfg)), keep=2)
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    assert plan_resume(cfg, tmp_path) is True and not list(tmp_path.glob("replaced-*"))
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
-    assert plan_resume(cfg, tmp_path) is False and list(tmp_path.glob("replaced-*/checkpoints/step_0000002"))

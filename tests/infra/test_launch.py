@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fgrpo.infra.tracking import read_metrics
+from fgrpo.infra.run_files import read_metrics
 from test_sweep import LAUNCH_ENV
 
 REPO = Path(__file__).resolve().parents[2]

@@ -77,7 +77,7 @@ def test_where_bf16_is_emulated_auto_picks_float32_and_explicit_bf16_warns():
 def test_settled_config_is_saved_with_the_kept_budget_for_its_dtype(compose, tmp_path, overrides, kept):
     from omegaconf import OmegaConf
 
-    from fgrpo.train import settle_hardware
+    from fgrpo.prepare import settle_hardware
 
     cfg = compose("sampler=hf", "hardware.sampler_dtype=float32", *overrides)
     saved = tmp_path / "config.yaml"

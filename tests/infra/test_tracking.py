@@ -14,7 +14,8 @@ pytest.importorskip("wandb")
 pytest.importorskip("matplotlib")
 
 from fgrpo.evaluation.plots import plot_pass_at_k  # noqa: E402
-from fgrpo.infra.tracking import Tracker, read_metrics, resolve_wandb_mode  # noqa: E402
+from fgrpo.infra.tracking import Tracker, resolve_wandb_mode  # noqa: E402
+from fgrpo.infra.run_files import read_metrics
 from wandb_files import find_wandb_run_file, read_wandb_history, read_wandb_run, read_wandb_summary  # noqa: E402
 
 # Small runs: no system-stats sampler process per run.
@@ -219,11 +220,6 @@ def test_read_metrics_tolerates_truncated_last_line_and_tracker_cuts_it_before_a
     assert [row["a"] for row in read_metrics(path)] == [1, 2, 3]
 
 
-def test_read_metrics_rejects_corruption_before_the_last_line(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 0}\n{"step": 1\n{"step": 2}\n')
-    with pytest.raises(ValueError, match="metrics.jsonl:2"):
-        read_metrics(path)
 
 
 def test_read_wandb_run_tolerates_a_cut_off_tail(tmp_path):

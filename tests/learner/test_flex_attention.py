@@ -143,11 +143,11 @@ def test_flex_for_a_model_it_cannot_run_is_refused_before_the_weights_load(tmp_p
 
 
 def test_flex_on_the_cpu_or_an_unfit_gpu_is_refused_before_loading(compose, monkeypatch):
-    from fgrpo.learner.learner import flex_attention
-    from fgrpo import train
+    from fgrpo import prepare as setup
+    from fgrpo.learner import flex_attention
     from fgrpo.config import validate
     from fgrpo.infra.errors import ConfigError
-    from fgrpo.train import prepare
+    from fgrpo.prepare import prepare
 
     with pytest.raises(ConfigError, match="hardware.attention='flex'.*hardware.attention=segments"):
         validate(compose("hardware=cpu", "hardware.attention=flex"))
@@ -155,9 +155,9 @@ def test_flex_on_the_cpu_or_an_unfit_gpu_is_refused_before_loading(compose, monk
         validate(compose("hardware=gpu", "hardware.micro_batch_tokens=null"))
     validate(compose("hardware=gpu"))  # the GPU defaults: flex, checked against the machine at start
     assert torch.cuda.is_available() or "no CUDA device" in flex_attention.flex_available("cuda")
-    monkeypatch.setattr(train, "flex_available", lambda device: "Triton is not installed")
+    monkeypatch.setattr(setup, "flex_available", lambda device: "Triton is not installed")
     with pytest.raises(ConfigError, match="Triton is not installed.*hardware.attention=sdpa"):
-        train.require_flex("cuda")
+        setup.require_flex("cuda")
     if not torch.cuda.is_available():  # a run stops at the device check, before the model loads
         with pytest.raises(ConfigError, match="no CUDA device"):
             prepare(compose("hardware=gpu", "model=tiny_random", "sampler=hf", "logger=none"))
@@ -168,7 +168,7 @@ def test_block_mask_tiles_equal_torchs_own_construction(monkeypatch):
     Several bands (a small chunk) and several rows, with a row of one long segment and tiles full, partial, empty."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from fgrpo.learner.learner import flex_attention
+    from fgrpo.learner import flex_attention
 
     seqs = groups_of(prompts=4, samples=8, seed=4) + groups_of(prompts=1, samples=2, seed=9)
     for seq in seqs[-2:]:

@@ -110,7 +110,7 @@ def test_eager_attention_gives_the_sdpa_gradients(tiny_model):
 def make_learner(compose, *overrides):
     from fgrpo.learner.learner import Learner
     from fgrpo.learner.model import resolve_model_folder
-    from fgrpo.train import learner_settings, loss_settings
+    from fgrpo.prepare import learner_settings, loss_settings
 
     cfg = compose("model=tiny_random", "hardware.compile_learner=false", "hardware.keep_matmul_outputs_gib=0",
                   "hardware.autocast_dtype=null", "hardware.sampler_dtype=float32", "trainer.warmup_steps=2", *overrides)

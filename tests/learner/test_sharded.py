@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fgrpo.infra.tracking import read_metrics
+from fgrpo.infra.run_files import read_metrics
 from sharded_update import CASES
 from test_sweep import LAUNCH_ENV, SLURM, run_dirs, sacct_states, sweep
 

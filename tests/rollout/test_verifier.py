@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from fgrpo.rollout.verifier import SCAN_CHARS, extract_answer, make_verifier, verify_math, verify_numeric
+from fgrpo.rollout.answers import SCAN_CHARS, extract_answer, verify_math, verify_numeric
+from fgrpo.rollout.verifier import make_verifier
 
 # Sympy has to compute 10^(10^(10^10)) to compare it with anything: without a timeout this runs
 # until memory runs out.
@@ -167,7 +168,7 @@ def test_verify_math_times_out_on_a_power_tower_in_the_main_thread():
     result = run_isolated(
         f"""
         import json, time
-        from fgrpo.rollout.verifier import verify_math
+        from fgrpo.rollout.answers import verify_math
         verify_math("1", "1")  # math-verify's import (not part of an answer's timeout)
         started = time.perf_counter()
         reward = verify_math({POWER_TOWER!r}, "1", timeout_s=1.0)
@@ -187,7 +188,7 @@ def test_verify_math_times_out_in_a_worker_thread():
     result = run_isolated(
         r"""
         import json, threading, time
-        from fgrpo.rollout.verifier import verify_math
+        from fgrpo.rollout.answers import verify_math
         verify_math("1", "1")  # math-verify's import (not part of an answer's timeout)
         outcome = {}
         def work():
@@ -234,7 +235,7 @@ def test_verify_math_imports_math_verify_outside_the_timeout():
     result = run_isolated(
         r"""
         import json
-        from fgrpo.rollout.verifier import verify_math
+        from fgrpo.rollout.answers import verify_math
         # the import alone takes about 0.8 s
         print(json.dumps({"reward": verify_math(r"\boxed{0.5}", r"\frac{1}{2}", timeout_s=0.5)}))
         """
@@ -402,7 +403,9 @@ def test_a_replacement_that_dies_while_starting_is_started_again(caplog):
         while len(set(pool.pids) - first - {replacement}) < 1 and time.monotonic() < deadline:
             pool.verify_batch(batch, ["3"] * 8)
         assert len(pool.pids) == 2 and replacement not in pool.pids  # started again
-        assert any("before it was ready; starting another (1 of 3)" in r.getMessage() for r in caplog.records)
+        # pebble replaces it unseen, or gives up on its pool (no answer running) and a new one takes the batch:
+        # either way no answer was on it, so the only death reported is the one on an answer
+        assert sum("died" in r.getMessage() for r in caplog.records) == 1
         assert pool.worker_deaths == 1  # the death on an answer; the failed start held none
 
 

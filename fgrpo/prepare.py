@@ -1,0 +1,267 @@
+"""The setup every entry point shares (run.py's training, fgrpo.evaluate, fgrpo.rare_nll build), in the order that
+makes bad input fail cheaply: the config's ranges -> the data -> the verifier -> the sampler's package and the device
+-> the model's folder -> the precision this machine runs fast -> every prompt's token ids. :func:`prepare` runs it and
+returns a :class:`Run`; nothing here loads the model's weights.
+
+The pieces the loop builds from a config (the learner's and the loss's settings, the sampler, the tracker) are here
+too, so that a second entry point makes them the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from fgrpo.algorithm.losses import LossSettings
+from fgrpo.config import to_container, validate, validate_layout
+from fgrpo.evaluation.rare_set import RareSet, check_vocabulary, load_rare_set
+from fgrpo.infra import distributed
+from fgrpo.infra.checkpoint import Resumed
+from fgrpo.infra.distributed import SINGLE, Ranks
+from fgrpo.infra.errors import ConfigError
+from fgrpo.infra.precision import Precision, resolve_precision
+from fgrpo.infra.process_memory import bound_kernel_caches, keep_freed_memory
+from fgrpo.infra.tracking import NoTracker, Tracker
+from fgrpo.learner.compiled_layers import auto_kept_matmul_gib, require_cpp_compiler
+from fgrpo.learner.flex_attention import flex_available
+from fgrpo.learner.gpu_memory import check_learner_fits_gpus
+from fgrpo.learner.learner import LearnerSettings
+from fgrpo.learner.model import load_tokenizer, resolve_model_folder
+from fgrpo.rollout.data import Problem, arithmetic_problems, build_prompt, load_problems
+from fgrpo.rollout.samplers import HFSampler, Sampler, VLLMSampler, check_vllm_dtype, require_vllm
+from fgrpo.rollout.verifier import make_verifier
+
+log = logging.getLogger("fgrpo")
+
+
+# evaluations draw from their own seed (cfg.seed + this), apart from the training steps' (fgrpo.evaluate uses it too)
+EVAL_SEED_OFFSET = 1_000_003
+
+
+@dataclass
+class Run:
+    """What :func:`prepare` checked and loaded before the model: the data, the verifier, the model's folder and
+    tokenizer, every prompt's token ids, and the precision settled for this machine."""
+
+    data: Data
+    verifier: object
+    folder: Path
+    tokenizer: object
+    prompt_ids: dict[str, list[int]]
+    precision: Precision
+    rare_set: RareSet | None = None  # eval.rare_set, scored at each evaluation
+
+
+def prepare(cfg: DictConfig, ranks: Ranks = SINGLE, *, saved_config: Path | None = None, training: bool = True,
+            model_folder: Callable[[], Path] | None = None, check_data: Callable[[Data], None] | None = None) -> Run:
+    """Every check that can fail on bad input, before the model loads; seeds, threads and process memory.
+
+    ``training``: also the config's fit to ``ranks.world`` processes, the C++ compiler of compiled layers, whether the
+    learner fits the GPUs and ``eval.rare_set``. ``model_folder``: where the weights are (default: the ``model``
+    group's), called after the cheap checks. ``check_data``: the entry point's own check of the problems.
+    ``saved_config``: the run's ``.hydra/config.yaml``, rewritten with the settled precision.
+    Several ranks: each checks, and if any fails all raise the first failure (distributed.agree), so rank 0 can say
+    why and no rank is left waiting in a collective."""
+    data, verifier = distributed.agree(lambda: check_inputs(cfg, ranks.world, training=training, check_data=check_data))
+    folder = distributed.agree(lambda: _weights_folder(cfg, ranks.world, training, model_folder))
+    hw = cfg.hardware
+    if hw.device == "cpu":
+        keep_freed_memory()
+        bound_kernel_caches()  # before the first matmul (the precision probe, vLLM's start-up)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if hw.device == "cpu" and (hw.threads > 0 or ranks.world > 1):
+        # several ranks on one machine split its cores (all of them each would oversubscribe)
+        torch.set_num_threads(hw.threads or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    precision = settle_hardware(cfg, saved_config, ranks)
+    tokenizer, prompt_ids = distributed.agree(lambda: encode_prompts(cfg, folder, data))
+    rare_set = (distributed.agree(lambda: _checked_rare_set(cfg.eval.rare_set, len(tokenizer)))
+                if training and cfg.eval.rare_set else None)
+    return Run(data, verifier, folder, tokenizer, prompt_ids, precision, rare_set)
+
+
+def _weights_folder(cfg: DictConfig, world: int, training: bool, model_folder: Callable[[], Path] | None) -> Path:
+    folder = model_folder() if model_folder is not None else resolve_model_folder(cfg.model)
+    if training and cfg.hardware.device == "cuda":
+        check_learner_fits_gpus(folder, cfg, world)
+    return folder
+
+
+
+def _checked_rare_set(path: str, vocab_size: int) -> RareSet:
+    try:
+        rare = load_rare_set(path)
+        check_vocabulary(rare, vocab_size)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"eval.rare_set={path}: {error}") from error
+    return rare
+
+
+def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
+                 check_data: Callable[[Data], None] | None = None) -> tuple[Data, object]:
+    """The config's ranges (and, training, its fit to ``world`` processes), the data files, the verifier, the sampler's
+    package and the device (and, training, the compiler of compiled layers)."""
+    validate(cfg)
+    if training:
+        validate_layout(cfg, world)
+    data = load_data(cfg.dataset)
+    if check_data is not None:
+        check_data(data)
+    verifier = make_verifier(cfg.dataset.verifier, timeout_s=cfg.dataset.verifier_timeout_s,
+                             workers=cfg.dataset.verifier_workers)
+    hw = cfg.hardware
+    if cfg.sampler.name == "vllm":
+        require_vllm()
+    if hw.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("hardware=gpu (hardware.device=cuda) but torch sees no CUDA device: use hardware=cpu")
+    if training and hw.compile_learner and hw.device == "cpu":
+        require_cpp_compiler()
+    if training and hw.attention == "flex":
+        require_flex(hw.device)
+    return data, verifier
+
+
+
+def require_flex(device: str) -> None:
+    """hardware.attention=flex on a machine that cannot run it: fail before the model loads, naming the way out."""
+    problem = flex_available(device)
+    if problem:
+        raise ConfigError(f"hardware.attention=flex cannot run here: {problem}. Set hardware.attention=sdpa (and, for "
+                          "padded micro-batches, hardware.micro_batch_tokens=null hardware.share_prompts=false)")
+
+
+def encode_prompts(cfg: DictConfig, folder: Path, data: Data) -> tuple[object, dict[str, list[int]]]:
+    """The tokenizer and every prompt's token ids, each checked to leave room for a completion."""
+    tokenizer = load_tokenizer(folder)
+    problems = data.train + [p for eval_set in data.eval.values() for p in eval_set]
+    prompt_ids = {p.id: encode_prompt(tokenizer, cfg.model, p.question) for p in problems}
+    too_long = [pid for pid, ids in prompt_ids.items() if len(ids) + cfg.sampler.max_new_tokens > cfg.sampler.max_model_len]
+    if too_long:
+        raise ConfigError(
+            f"{len(too_long)} prompts (e.g. {too_long[0]}) plus sampler.max_new_tokens={cfg.sampler.max_new_tokens} "
+            f"exceed sampler.max_model_len={cfg.sampler.max_model_len}: raise sampler.max_model_len"
+        )
+    return tokenizer, prompt_ids
+
+
+def encode_prompt(tokenizer, model_cfg, question: str) -> list[int]:
+    """Token ids of one prompt, through the model's chat template unless ``chat_template: plain``."""
+    text = build_prompt(question, instruction=model_cfg.instruction)
+    if model_cfg.chat_template == "plain" or tokenizer.chat_template is None:
+        prefix = f"{model_cfg.system_prompt}\n\n" if model_cfg.system_prompt else ""
+        return tokenizer(prefix + text, add_special_tokens=True)["input_ids"]
+    messages = [{"role": "user", "content": text}]
+    if model_cfg.system_prompt:
+        messages.insert(0, {"role": "system", "content": model_cfg.system_prompt})
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+@dataclass
+class Data:
+    train: list[Problem]
+    eval: dict[str, list[Problem]]  # dataset name -> held-out problems
+
+
+def load_data(dataset_cfg) -> Data:
+    """Read (or generate) every problem up front, so a bad file fails before the model loads."""
+    if dataset_cfg.kind == "arithmetic":
+        a = dataset_cfg.arithmetic
+        train, held_out = arithmetic_problems(ops=tuple(a.ops), max_operand=a.max_operand, seed=a.seed, n_eval=a.n_eval)
+        return Data(train=train, eval={dataset_cfg.name: held_out})
+    if dataset_cfg.train is None or not dataset_cfg.eval:
+        raise ConfigError(f"dataset={dataset_cfg.name}: a 'sources' dataset needs dataset.train and a dataset.eval list")
+
+    def read(source) -> list[Problem]:
+        if source.path is None:
+            raise ConfigError(f"dataset source '{source.name}' has no path: set it, e.g. dataset.train.path=/data/train.jsonl")
+        return load_problems(
+            name=source.name, kind=source.kind, path=source.path, split=source.split, subset=source.subset,
+            question_field=source.question_field, answer_field=source.answer_field, limit=source.limit,
+        )
+
+    return Data(train=read(dataset_cfg.train), eval={source.name: read(source) for source in dataset_cfg.eval})
+
+
+def settle_hardware(cfg: DictConfig, saved_config: Path | None = None, ranks: Ranks = SINGLE):
+    """Replace ``auto`` in ``hardware.autocast_dtype`` / ``sampler_dtype`` by what this machine runs fast
+    (fgrpo.infra.precision) and in ``hardware.keep_matmul_outputs_gib`` by the budget for that dtype, log the choice
+    and its reason, and write the settled config to ``saved_config`` (the run's ``.hydra/config.yaml``) so that
+    the run directory says what ran. Before the model loads; returns the :class:`~fgrpo.infra.precision.Precision`.
+    Several ranks: rank 0 probes and decides for all (a timed probe could tip differently on another rank)."""
+    hw = cfg.hardware
+    precision = distributed.from_rank0(distributed.agree(
+        lambda: resolve_precision(hw.device, hw.autocast_dtype, hw.sampler_dtype) if ranks.main else None))
+    hw.autocast_dtype, hw.sampler_dtype = precision.autocast_dtype, precision.sampler_dtype
+    if hw.keep_matmul_outputs_gib == "auto":
+        selective = hw.gradient_checkpointing and hw.compile_learner
+        matmul_dtype = getattr(torch, hw.autocast_dtype or hw.learner_dtype)
+        hw.keep_matmul_outputs_gib = auto_kept_matmul_gib(matmul_dtype) if selective else 0.0
+    log.info("precision: learner matmuls in %s (%s weights%s), sampler in %s; %s%s",
+             hw.autocast_dtype or hw.learner_dtype, hw.learner_dtype,
+             f", up to {hw.keep_matmul_outputs_gib:g} GiB of matmul outputs kept" if hw.keep_matmul_outputs_gib else "",
+             hw.sampler_dtype, f"{precision.cpu}: " if precision.cpu else "", precision.reason)
+    if cfg.sampler.name == "vllm":
+        distributed.agree(lambda: check_vllm_dtype(hw.sampler_dtype, hw.device))
+    if saved_config is not None and saved_config.is_file() and ranks.main:
+        OmegaConf.save(cfg, saved_config)
+    return precision
+
+
+def learner_settings(cfg: DictConfig) -> LearnerSettings:
+    hw, trainer = cfg.hardware, cfg.trainer
+    return LearnerSettings(
+        model_name=cfg.model.name, max_new_tokens=cfg.sampler.max_new_tokens, temperature=cfg.sampler.temperature, device=hw.device,
+        dtype=hw.learner_dtype, autocast_dtype=hw.autocast_dtype, attention=hw.attention, compile=hw.compile_learner,
+        gradient_checkpointing=hw.gradient_checkpointing, fsdp=hw.fsdp, cpu_offload=hw.cpu_offload,
+        kept_matmul_gib=hw.keep_matmul_outputs_gib,
+        micro_batch_size=hw.micro_batch_size, micro_batch_tokens=hw.micro_batch_tokens,
+        share_prompts=hw.share_prompts, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay,
+        warmup_steps=trainer.warmup_steps, grad_clip=trainer.grad_clip, mini_batches=trainer.mini_batches,
+    )
+
+
+def loss_settings(algo: DictConfig) -> LossSettings:
+    return LossSettings(algo=algo.name, clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg,
+                        kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef)
+
+
+def make_sampler(cfg: DictConfig, folder: Path, policy, tokenizer, ranks: Ranks = SINGLE) -> Sampler:
+    if cfg.sampler.name == "vllm":
+        return VLLMSampler(
+            # one seed per engine: on CPU the engine's seed drives every draw, and engines with one seed would
+            # draw the same random numbers for different prompts
+            folder, dtype=cfg.hardware.sampler_dtype, max_model_len=cfg.sampler.max_model_len,
+            seed=cfg.seed + 7_919 * ranks.data_parallel_rank, device=cfg.hardware.device,
+            kv_cache_gib=cfg.hardware.sampler_kv_cache_gib,
+            gpu_memory_utilization=cfg.hardware.sampler_gpu_memory_utilization,
+            tensor_parallel_size=cfg.sampler.tensor_parallel_size, distributed=ranks.world > 1,
+            sleep=cfg.hardware.sampler_sleep,
+        )
+    return HFSampler(policy, tokenizer, batch_size=cfg.sampler.hf_batch_size, autocast_dtype=cfg.hardware.autocast_dtype)
+
+
+def make_tracker(cfg: DictConfig, run_dir: Path, run_name, overrides, precision: Precision,
+                 ranks: Ranks = SINGLE, resumed: Resumed | None = None) -> Tracker | NoTracker:
+    """Rank 0's tracker. Resumed: the same W&B run, and metrics.jsonl keeps the rows up to the checkpoint's step
+    (later ones, logged before the run stopped, move to metrics_superseded.jsonl); a run that starts at step 0 in a
+    directory with rows from an attempt that saved no checkpoint supersedes all of them."""
+    if not ranks.main:
+        return NoTracker()
+    return Tracker(
+        run_dir, resume_id=resumed.state.wandb_run_id if resumed else None,
+        keep_steps_through=resumed.state.step if resumed else -1, backend=cfg.logger.name, project=cfg.logger.get("project", "fgrpo"),
+        name=cfg.run_name or run_name, group=cfg.logger.get("group"), mode=cfg.logger.get("mode"),
+        entity=cfg.logger.get("entity"), tags=list(cfg.logger.get("tags") or []),
+        config={**to_container(cfg), "overrides": list(overrides or []), "precision": precision.as_dict(),
+                "world_size": ranks.world},
+    )

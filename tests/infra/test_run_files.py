@@ -1,0 +1,25 @@
+"""fgrpo.infra.run_files: the JSON-lines files a run appends to (a cut-off last line tolerated, corruption before it
+refused) and the rows a resumed run supersedes."""
+
+import json
+
+import pytest
+
+from fgrpo.infra.run_files import SUPERSEDED_FILE, read_metrics, supersede_rows_after
+
+
+def test_read_metrics_rejects_corruption_before_the_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2"):
+        read_metrics(path)
+
+
+def test_rows_after_the_checkpoint_move_aside_and_a_half_line_with_them(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "train/loss": float(s)} for s in (0, 1, 2, 3, 4)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "tra')
+    assert supersede_rows_after(metrics, 2) == 3
+    assert [r["step"] for r in read_metrics(metrics)] == [0, 1, 2]
+    moved = (tmp_path / SUPERSEDED_FILE).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in moved[:2]] == [3, 4] and moved[2] == '{"step": 5, "tra'
