@@ -15,7 +15,9 @@ pebble gives up on one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import logging
 import multiprocessing
 import os
@@ -119,12 +121,28 @@ def resolve_workers(workers: int | str) -> int:
 # --- the pool's helpers ----------------------------------------------------------------------
 
 
+# Ctrl-C and Slurm's stop signals reach every process of the job: the pool's process decides what stops. A worker
+# is born with them blocked (:func:`_signals_blocked`) and unblocks them once it ignores them, so that one arriving
+# while it starts (importing the main module again, for seconds) cannot end it.
+WORKER_SIGNALS = (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@contextlib.contextmanager
+def _signals_blocked():
+    """Block :data:`WORKER_SIGNALS` in this thread meanwhile: the threads and processes started meanwhile inherit the
+    mask (pebble starts replacement workers from its own threads); this thread gets what arrived when it ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _prepare_worker(verify_fn: Callable[[str, str], float]) -> None:
-    """A worker's initializer, run by pebble before the worker takes answers."""
-    # Ctrl-C and Slurm's stop signals reach every process of the job: the pool's process decides what stops
-    # (pebble's worker already ignores SIGINT)
+    """A worker's initializer, run by pebble before the worker takes answers (pebble's worker ignores SIGINT)."""
     for signum in (signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_SIGNALS)
     try:
         verify_fn("0", "0")  # lazy imports (math-verify's) now: pebble's timeout starts when an answer is taken
     except Exception:  # noqa: BLE001 - a verify function that fails here fails on its answers, where it is reported
@@ -280,7 +298,6 @@ class VerifierPool:
                 if self._pool is not None and not self._pool.active:
                     self._stop()  # pebble gave up on it (a worker ended between batches): a new one
                 self._start()
-                self._pool.schedule(os.getpid)  # pebble starts its workers with the first task: a no-op one
 
     def close(self) -> None:
         """End the workers (a later batch starts new ones)."""
@@ -295,8 +312,10 @@ class VerifierPool:
             return
         pickle.dumps(self.verify_fn)  # an unpicklable verify function fails here, not in pebble's threads
         self._context = _SpawnContext()
-        self._pool = ProcessPool(self.workers, initializer=_prepare_worker, initargs=(self.verify_fn,),
-                                 context=self._context)
+        with _signals_blocked():
+            self._pool = ProcessPool(self.workers, initializer=_prepare_worker, initargs=(self.verify_fn,),
+                                     context=self._context)
+            self._pool.schedule(os.getpid)  # pebble starts its threads and workers with the first task: a no-op one
         self._finalizer = weakref.finalize(self, _stop_pool, self._pool, os.getpid())
 
     def _stop(self) -> None:
@@ -326,15 +345,15 @@ class VerifierPool:
             if restarts > MAX_POOL_RESTARTS:
                 raise RuntimeError(f"verifier workers kept ending while starting: {MAX_POOL_RESTARTS} new pools in a "
                                    "row lost one before any answer reached it (memory short?)")
-            log.warning("a verifier worker ended while no answer was running, so pebble gave up on the pool; %d "
-                        "answers go to a new one (%d of %d)", len(waiting), restarts, MAX_POOL_RESTARTS)
+            log.warning("the verifier pool broke (a worker ended while no answer ran, or the batch ran past its "
+                        "deadline); %d answers go to a new pool (%d of %d)", len(waiting), restarts, MAX_POOL_RESTARTS)
 
     def _run(self, tasks: list[tuple[str, str]], indices: list[int],
              rewards: list[float]) -> tuple[list[int], str | None]:
         """Verify the answers at ``indices`` in the current pebble pool, into ``rewards``.
 
-        Returns the answers left unverified because pebble gave up on the pool, and the verify function's first
-        error (``"index:\\ntraceback"``), if any.
+        Returns the answers left unverified because pebble gave up on the pool or the batch ran past its deadline,
+        and the verify function's first error (``"index:\\ntraceback"``), if any.
         """
         futures: dict[int, Future] = {}
         for index in indices:
@@ -371,12 +390,17 @@ class VerifierPool:
         return left, failure
 
     def _wait(self, futures: list[Future]) -> None:
-        """Until every future is done or pebble gives up on the pool (then some may never be).
+        """Until every future is done, pebble gives up on the pool, or the batch's deadline passes (then some may
+        never be done). The deadline: the start-up limit plus every answer's timeout and margin, run one worker after
+        another; only a pool whose workers block each other gets there (pebble's workers share one lock on their
+        channel, and one killed while it holds it blocks the rest without pebble noticing).
 
         Raises:
             RuntimeError: no answer reached a worker within ``STARTUP_LIMIT_S``: the workers hang while starting.
         """
         started, reached = time.monotonic(), False
+        rounds = math.ceil(len(futures) / self.workers)
+        deadline = started + STARTUP_LIMIT_S + rounds * (self.timeout_s + self.stuck_margin_s)
         pending = set(futures)
         while pending and self._pool.active:
             _, pending = wait(pending, timeout=0.25)  # and look again whether pebble gave up
@@ -384,6 +408,10 @@ class VerifierPool:
             if not reached and time.monotonic() - started > STARTUP_LIMIT_S:
                 raise RuntimeError(f"no verifier worker was ready {STARTUP_LIMIT_S:.0f} s after the batch came "
                                    "(importing the verify function hangs, or the machine is overloaded)")
+            if pending and time.monotonic() > deadline:
+                log.warning("%d verifier answers still open %.0f s after the batch came: the pool is stuck; they go "
+                            "to a new one", len(pending), time.monotonic() - started)
+                return
 
     def _await_replacements(self, limit_s: float = 5.0) -> None:
         """Let pebble start the replacements of the workers this batch lost (it looks every 0.1 s), so that the batch

@@ -11,7 +11,6 @@ import pandas as pd
 import pytest
 
 from fgrpo.infra import hub
-from fgrpo.rollout import data
 from fgrpo.rollout.data import Problem, arithmetic_problems, build_prompt, load_problems
 from fgrpo.infra.errors import DataError
 
