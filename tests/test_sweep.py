@@ -269,3 +269,22 @@ def test_slurm_failing_job_is_reported_with_its_log(slurm, tmp_path):
     assert len(jobs) == 1
     # jobs 0 and 2 have the missing file (train.path varies fastest): Slurm records them FAILED
     assert sacct_states(jobs[0], 4) == ["FAILED", "COMPLETED", "FAILED", "COMPLETED"]
+
+
+@pytest.mark.parametrize("error_type", ["CheckpointError", "ConfigError", "DataError", "RuntimeError"])
+def test_a_failed_job_is_described_without_a_traceback_for_bad_input_only(error_type):
+    """Every error of fgrpo.infra.errors.BAD_INPUT (a sweep job's CheckpointError among them) is its message alone;
+    any other error shows its traceback."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from fgrpo.infra import errors
+    from hydra_plugins.fgrpo_plugins import describe_failure
+
+    try:
+        raise getattr(errors, error_type, RuntimeError)("no checkpoint in RUN/checkpoints could be loaded")
+    except Exception as raised:  # noqa: BLE001 - what the launcher keeps of a failed job
+        error = raised
+    result = JobReturn(overrides=["seed=1"], status=JobStatus.FAILED, _return_value=error)
+    text = describe_failure(result, 3)
+    assert text.startswith(f"sweep job #3 [seed=1] failed: {error_type}: no checkpoint in RUN/checkpoints")
+    assert ("Traceback" in text) == (error_type == "RuntimeError")
