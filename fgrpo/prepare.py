@@ -113,6 +113,7 @@ def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
     validate(cfg)
     if training:
         validate_layout(cfg, world)
+        warn_if_same_as_grpo(cfg)
     data = load_data(cfg.dataset)
     if check_data is not None:
         check_data(data)
@@ -129,6 +130,18 @@ def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
         require_flex(hw.device)
     return data, verifier
 
+
+
+def warn_if_same_as_grpo(cfg: DictConfig) -> None:
+    """DAPO's clip and CISPO's clamped weight act only where the ratio pi/pi_old moves from 1, i.e. after the first
+    optimizer step on a batch: with one step per batch their gradient is GRPO's, token for token
+    (tests/algorithm/test_losses.py::test_on_policy_gradient_equals_reinforce; docs/results.md shows a DAPO and a
+    GRPO run that agree to 4 digits at every step). Say so where a user asks for DAPO or CISPO and gets GRPO."""
+    if cfg.algo.name != "grpo" and cfg.trainer.mini_batches == 1:
+        log.warning("algo=%s with trainer.mini_batches=1: every update is on-policy (ratio 1 at every token), where "
+                    "%s's loss has the same gradient as GRPO's; set trainer.mini_batches > 1 (the paper: 4, "
+                    "mini-batches of 64 of its 256 prompts) for the off-policy updates where the algorithms differ",
+                    cfg.algo.name, cfg.algo.name.upper())
 
 
 def require_flex(device: str) -> None:

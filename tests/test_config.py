@@ -112,3 +112,17 @@ def test_cpu_defaults_are_the_fast_path(compose):
     validate(compose("hardware.autocast_dtype=null", "hardware.sampler_dtype=float32"))  # the fp32 spelling by hand
     assert hardware.share_prompts and hardware.gradient_checkpointing and hardware.keep_matmul_outputs_gib == "auto"
     assert compose("hardware.sampler_kv_cache_gib=0.25").hardware.sampler_kv_cache_gib == 0.25  # fractions allowed
+
+
+@pytest.mark.parametrize("algo", ["dapo", "cispo"])
+def test_dapo_or_cispo_on_policy_warns_that_it_is_grpo(compose, caplog, algo):
+    from fgrpo.prepare import warn_if_same_as_grpo
+
+    with caplog.at_level("WARNING", logger="fgrpo"):
+        warn_if_same_as_grpo(compose(f"algo={algo}"))
+    assert f"algo={algo} with trainer.mini_batches=1" in caplog.text and "trainer.mini_batches > 1" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fgrpo"):
+        warn_if_same_as_grpo(compose(f"algo={algo}", "trainer.mini_batches=4"))
+        warn_if_same_as_grpo(compose("algo=grpo"))
+    assert caplog.text == ""
