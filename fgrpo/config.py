@@ -39,7 +39,6 @@ class AlgoConfig:
     clip_high: float = 0.2
     group_size: int = 8
     loss_agg: str = "token-mean"
-    std_normalize: bool = True
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     # DAPO options, off by default (the paper does not mention them)
@@ -53,6 +52,16 @@ class AlgoConfig:
 @dataclass
 class FocalConfig:
     gamma: float = 0.0  # 0 = the baseline; focal.gamma=1.0 turns F-GRPO on (Eq. 12)
+
+
+@dataclass
+class AdvantageConfig:
+    # how group rewards become advantages (fgrpo.algorithm.advantage_methods; docs/algorithm.md): focal (F-GRPO,
+    # focal.gamma; gamma 0 = GRPO's group-normalised advantage), dr_grpo, maxrl, unlikeliness, w_reinforce, passk
+    name: str = MISSING
+    lam: float = 0.1  # w_reinforce: the weight of a correct sample (a wrong one gets -1)
+    beta: float = 0.25  # unlikeliness: a correct sample's reward times 1 - beta * rank / G (rank 0 = least likely)
+    k: int = 4  # passk: the k of the pass@k whose advantage is trained, 1 <= k <= algo.group_size
 
 
 @dataclass
@@ -202,6 +211,7 @@ class Config:
     model: ModelConfig = MISSING
     algo: AlgoConfig = MISSING
     focal: FocalConfig = MISSING
+    advantage: AdvantageConfig = MISSING
     dataset: DatasetConfig = MISSING
     hardware: HardwareConfig = MISSING
     sampler: SamplerConfig = MISSING
@@ -224,6 +234,7 @@ def validate(cfg: DictConfig | Config) -> None:
     """Range checks that must fail before the model loads. Raises ConfigError listing every problem."""
     # every list of allowed names lives with the code that implements them; imported here, not at the top, so that
     # `import fgrpo.config` (run.py, the sweeper: before Hydra parses the command line) stays free of torch
+    from fgrpo.algorithm.advantage_settings import METHODS
     from fgrpo.algorithm.losses import AGG_MODES, ALGOS
     from fgrpo.infra.precision import AUTOCAST_CHOICES, SAMPLER_CHOICES
     from fgrpo.infra.tracking import BACKENDS, WANDB_MODES
@@ -246,6 +257,7 @@ def validate(cfg: DictConfig | Config) -> None:
     need(cfg.algo.clip_low > 0, "algo.clip_low", cfg.algo.clip_low, "must be > 0")
     need(cfg.algo.clip_high > 0, "algo.clip_high", cfg.algo.clip_high, "must be > 0")
     need(cfg.algo.loss_agg in AGG_MODES, "algo.loss_agg", cfg.algo.loss_agg, f"must be one of {AGG_MODES}")
+    _check_advantage(cfg, need, METHODS)
     need(cfg.algo.kl_coef >= 0, "algo.kl_coef", cfg.algo.kl_coef, "must be >= 0")
     need(cfg.algo.entropy_coef >= 0, "algo.entropy_coef", cfg.algo.entropy_coef, "must be >= 0")
     need(cfg.trainer.lr > 0, "trainer.lr", cfg.trainer.lr, "must be > 0 (the paper uses 1e-6)")
@@ -311,6 +323,23 @@ def validate(cfg: DictConfig | Config) -> None:
          f"must be one of {WANDB_MODES} (or unset: $WANDB_MODE, else offline)")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _check_advantage(cfg, need, methods: tuple) -> None:
+    """The advantage method, its parameter and what it combines with, through :func:`validate`'s ``need``."""
+    adv = cfg.advantage
+    need(adv.name in methods, "advantage.name", adv.name, f"must be one of {methods} (advantage=<name>)")
+    need(adv.name == "focal" or cfg.focal.gamma == 0, "focal.gamma", cfg.focal.gamma,
+         f"weights advantage=focal only: use advantage=focal, or focal.gamma=0 with advantage={adv.name}")
+    need(adv.lam > 0, "advantage.lam", adv.lam, "must be > 0 (W-REINFORCE's weight of a correct sample; the paper: 0.1)")
+    need(0 <= adv.beta <= 1, "advantage.beta", adv.beta, "must be in [0, 1] (the unlikeliness penalty; the paper: 0.25)")
+    need(1 <= adv.k <= cfg.algo.group_size, "advantage.k", adv.k,
+         f"must be between 1 and algo.group_size={cfg.algo.group_size} (a k-subset of the group)")
+    # these read the 0/1 verdicts (or need rewards >= 0): DAPO's overlong penalty would be ignored or break them
+    need(not (cfg.algo.overlong_shaping and adv.name in ("maxrl", "w_reinforce", "passk")), "algo.overlong_shaping",
+         True, f"advantage={adv.name} reads whether each sample is correct, not shaped rewards (MaxRL divides by the "
+               "mean reward, which a penalty can make <= 0): set algo.overlong_shaping=false, or use advantage=focal, "
+               "dr_grpo or unlikeliness")
 
 
 def _check_learner_layout(hw, need, attentions: tuple) -> None:

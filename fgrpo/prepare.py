@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from fgrpo.algorithm.advantage_settings import AdvantageSettings
 from fgrpo.algorithm.losses import LossSettings
 from fgrpo.config import to_container, validate, validate_layout
 from fgrpo.evaluation.rare_set import RareSet, check_vocabulary, load_rare_set
@@ -241,6 +242,11 @@ def learner_settings(cfg: DictConfig) -> LearnerSettings:
         share_prompts=hw.share_prompts, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay,
         warmup_steps=trainer.warmup_steps, grad_clip=trainer.grad_clip, mini_batches=trainer.mini_batches,
     )
+
+
+def advantage_settings(cfg: DictConfig) -> AdvantageSettings:
+    adv = cfg.advantage
+    return AdvantageSettings(method=adv.name, gamma=cfg.focal.gamma, lam=adv.lam, beta=adv.beta, k=adv.k)
 
 
 def loss_settings(algo: DictConfig) -> LossSettings:

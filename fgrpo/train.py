@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from fgrpo.algorithm.advantages import focal_group_advantages
+from fgrpo.algorithm.advantage_methods import compute_advantages
+from fgrpo.algorithm.advantage_settings import method_label
 from fgrpo.checkpointing import Checkpoints, EvalHistory, plan_resume
 from fgrpo.evaluation.held_out import append_counts, evaluate
 from fgrpo.evaluation.plots import plot_pass_at_k
@@ -30,8 +31,8 @@ from fgrpo.infra.run_files import COUNTS_FILE, FINAL_MODEL, PASS_AT_K_PLOT, supe
 from fgrpo.infra.stop import STOP_MARGIN_S, StopSignals
 from fgrpo.infra.tracking import NoTracker, Tracker
 from fgrpo.learner.learner import Learner
-from fgrpo.prepare import (EVAL_SEED_OFFSET, Run, learner_settings, loss_settings, make_sampler, make_tracker,
-                           prepare)
+from fgrpo.prepare import (EVAL_SEED_OFFSET, Run, advantage_settings, learner_settings, loss_settings, make_sampler,
+                           make_tracker, prepare)
 from fgrpo.rollout.rollouts import ProblemStream, collect_groups, learner_sequences, overlong_penalties, sample_groups
 from fgrpo.rollout.verifier import close_verifier
 from fgrpo.step_metrics import StepOutcomes, step_metrics
@@ -119,10 +120,11 @@ def learn_step(cfg: DictConfig, step: int, run: Run, sampler, learner: Learner, 
         rewards = groups.correct.clone()
         if algo.overlong_shaping:
             rewards += overlong_penalties(groups, sampling.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
-        # F-GRPO: mu_hat = the group's success rate (Eq. 11, from correctness), g = (1 - mu_hat)^gamma
-        # (Eq. 12), A^F = g * A with A the group-normalised advantage (Eqs. 3, 13); gamma = 0: the baseline
-        advantages = focal_group_advantages(rewards, cfg.focal.gamma, correct=groups.correct,
-                                            std_normalize=algo.std_normalize) if len(groups) else rewards
+        # F-GRPO (advantage=focal): mu_hat = the group's success rate (Eq. 11, from correctness), g = (1 - mu_hat)^gamma
+        # (Eq. 12), A^F = g * A with A the group-normalised advantage (Eqs. 3, 13); gamma = 0: the baseline.
+        # The other methods (advantage=maxrl, ...): fgrpo.algorithm.advantage_methods
+        advantages = compute_advantages(rewards, groups.correct, advantage_settings(cfg),
+                                        groups.mean_logprobs()) if len(groups) else rewards
         seqs = learner_sequences(groups, advantages, run.prompt_ids)
         sampler.release_memory()  # on CPU, vLLM's KV cache and packed weights: dead until the push below
         profiled_step = step if step == cfg.trainer.profile_step and ranks.main else None
@@ -183,7 +185,7 @@ def finish(cfg: DictConfig, run_dir: Path, tracker: Tracker | NoTracker, learner
     (rank 0 writes; every rank takes part in gathering sharded weights)."""
     final = {k: v for k, v in history.last.items() if not k.endswith(("_ci_low", "_ci_high"))}
     plot_path = run_dir / PASS_AT_K_PLOT
-    title = f"{cfg.model.name} | {cfg.algo.name} gamma={cfg.focal.gamma} | {cfg.dataset.name}"
+    title = f"{cfg.model.name} | {cfg.algo.name} {method_label(advantage_settings(cfg))} | {cfg.dataset.name}"
     if ranks.main:
         plot_pass_at_k(history.curves, plot_path, title=title)
         tracker.log_image("eval/pass_at_k_curve", plot_path, step=cfg.trainer.steps)

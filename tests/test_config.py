@@ -9,7 +9,7 @@ from fgrpo.config import validate
 from fgrpo.infra.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ["model", "algo", "focal", "dataset", "hardware", "sampler", "logger"]
+GROUPS = ["model", "algo", "focal", "advantage", "dataset", "hardware", "sampler", "logger"]
 
 
 @pytest.mark.parametrize(
@@ -90,6 +90,11 @@ def test_unknown_group_option_lists_choices(compose):
                                          "runs it natively), float32 or null (no autocast), bfloat16 or float16"),
         ("hardware.sampler_dtype=half", "hardware.sampler_dtype='half': must be auto"),
         ("hardware.learner_dtype=auto", "hardware.learner_dtype='auto': must be one of ('float32', 'bfloat16', 'float16')"),
+        ("advantage.name=grpo_passk", "advantage.name='grpo_passk': must be one of ('focal', 'dr_grpo', 'maxrl', "
+                                      "'unlikeliness', 'w_reinforce', 'passk') (advantage=<name>)"),
+        ("advantage.k=9", "advantage.k=9: must be between 1 and algo.group_size=8"),
+        ("advantage.lam=0", "advantage.lam=0.0: must be > 0"),
+        ("advantage.beta=1.5", "advantage.beta=1.5: must be in .0, 1. .the unlikeliness penalty"),
     ],
 )
 def test_range_checks_name_key_and_value(compose, override, message):
@@ -126,3 +131,20 @@ def test_dapo_or_cispo_on_policy_warns_that_it_is_grpo(compose, caplog, algo):
         warn_if_same_as_grpo(compose(f"algo={algo}", "trainer.mini_batches=4"))
         warn_if_same_as_grpo(compose("algo=grpo"))
     assert caplog.text == ""
+
+
+def test_an_advantage_method_with_what_it_cannot_combine_with_is_refused(compose):
+    with pytest.raises(ConfigError, match="focal.gamma=1.0: weights advantage=focal only: use advantage=focal, or "
+                                          "focal.gamma=0 with advantage=maxrl"):
+        validate(compose("advantage=maxrl", "focal.gamma=1.0"))
+    with pytest.raises(ConfigError, match="algo.overlong_shaping=True: advantage=passk reads whether each sample is "
+                                          "correct, not shaped rewards"):
+        validate(compose("advantage=passk", "algo.overlong_shaping=true"))
+    validate(compose("advantage=unlikeliness", "algo=dapo", "algo.overlong_shaping=true"))  # it reads the rewards
+    validate(compose("advantage=focal", "focal=fgrpo", "algo=cispo"))
+
+
+def test_the_removed_std_normalize_key_is_now_advantage_dr_grpo(compose):
+    with pytest.raises(ConfigCompositionException):
+        compose("algo.std_normalize=false")
+    assert compose("advantage=dr_grpo").advantage.name == "dr_grpo"

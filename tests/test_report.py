@@ -26,9 +26,10 @@ FINALS = {
 
 def write_run(run_dir: Path, algo: str, gamma: float, seed: int, p1: float, p4: float, *, job_num: int = 0,
               job_id: str | None = None, lr: float = 1e-5, steps_done: int = STEPS, dtype: str = "bfloat16",
-              rare_nll_delta: float | None = None) -> Path:
+              rare_nll_delta: float | None = None, advantage: dict | None = None) -> Path:
     (run_dir / ".hydra").mkdir(parents=True)
     config = {"seed": seed, "algo": {"name": algo, "group_size": 4}, "focal": {"gamma": gamma},
+              **({"advantage": advantage} if advantage else {}),
               "trainer": {"steps": STEPS, "lr": lr}, "eval": {"n_samples": 4},
               "hardware": {"autocast_dtype": dtype, "sampler_dtype": dtype},
               "logger": {"name": "wandb", "group": "sweep-x"}}
@@ -397,3 +398,28 @@ def test_runs_without_an_evaluation_before_training_pool_with_those_with_one(tmp
     assert table[("grpo", 0.0, 1)][:3] == ["— → 30.0", "— → 70.0", f"— → {never_after}"]
     assert table[("grpo", 0.0, 0)][0] == "5.0 → 10.0"
     assert (tmp_path / "report_success_rates.png").exists()  # its "before" bars from the runs that evaluated then
+
+
+def test_advantage_methods_are_cells_compared_with_the_plain_algorithm(tmp_path):
+    """A sweep over advantage=focal,maxrl,passk: one row per method, each tested against focal at gamma 0."""
+    counts = sweep_counts()
+    methods = [({"name": "focal"}, 0.0, ("grpo", 0.0)), ({"name": "focal"}, 1.0, ("grpo", 1.0)),
+               ({"name": "maxrl", "k": 4}, 0.0, ("grpo", 1.0)), ({"name": "passk", "k": 2}, 0.0, ("cispo", 1.0))]
+    for num, (advantage, gamma, finals) in enumerate(methods):
+        for seed in (0, 1):
+            run_dir = write_run(tmp_path / f"{num}_{advantage['name']}_{seed}", "grpo", gamma, seed,
+                                *FINALS[finals][seed], job_num=2 * num + seed, advantage=advantage)
+            write_counts(run_dir, counts[(*finals, seed)])
+    text = report(tmp_path)
+    assert text.splitlines()[0].split()[:6] == ["algo", "advantage", "gamma", "seeds", "pass@1", "pass@4"]
+    rows = {tuple(line.split()[:3]): line for line in text.split("\n\n")[0].splitlines()[2:]}
+    assert set(rows) == {("grpo", "focal", "0"), ("grpo", "focal", "1"), ("grpo", "maxrl", "0"), ("grpo", "passk", "k=2")}
+    assert rows[("grpo", "focal", "0")].split()[-2:] == ["ref", "ref"]
+    # maxrl's counts are focal gamma 1's: the same difference to the reference, the same p
+    assert re.findall(r"[+-]\d+\.\d \(p=[^)]+\)", rows[("grpo", "maxrl", "0")]) == \
+        re.findall(r"[+-]\d+\.\d \(p=[^)]+\)", rows[("grpo", "focal", "1")])
+    assert "compared with the gamma=0 row of its algo's focal advantage" in text
+    md = (tmp_path / "report.md").read_text()
+    assert "| algo | advantage | gamma | seed | pass@1 % |" in md and "| grpo | passk k=2 | 0 | 1 |" in md
+    assert "| algo | advantage | gamma | seeds | pass@1 % per seed |" in md  # the over-seeds table
+    assert (tmp_path / "report.png").stat().st_size > 0

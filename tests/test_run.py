@@ -307,3 +307,17 @@ def test_the_loop_applies_the_focal_weight_to_each_group(tmp_path):
     for i in mixed:
         assert focal[i] == pytest.approx(plain[i] * (1 - rates[i]), rel=1e-5), (i, rates[i])
     assert steps[1.0]["train/focal_weight_mean"] == pytest.approx(np.mean([1 - r for r in rates]), rel=1e-5)
+
+
+def test_the_loop_applies_the_chosen_advantage_method(tmp_path):
+    # the same first batch as above under advantage=unlikeliness, which ranks each group's samples by the sampler's
+    # own log-probs (Groups.mean_logprobs): the success rates are the focal run's, one-sided groups get 0, mixed ones not
+    result = run_cli(tmp_path, "trainer.steps=1", "trainer.prompts_per_step=6", "algo.group_size=8", "eval.n_samples=1",
+                     "eval.max_problems=1", "sampler=hf", "hardware.compile_learner=false", "logger=none",
+                     "advantage=unlikeliness")
+    assert result.returncode == 0, result.stderr[-3000:]
+    step = next(r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r)
+    rates = step["train/success_rate_hist"]
+    assert any(0 < rate < 1 for rate in rates), f"no mixed group in the first batch (success rates {rates})"
+    for rate, adv in zip(rates, step["train/adv_abs_mean_per_group"]):
+        assert (adv > 0) == (0 < rate < 1), (rate, adv)

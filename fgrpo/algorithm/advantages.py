@@ -16,10 +16,11 @@ __all__ = [
     "success_rate",
     "focal_weight",
     "focal_group_advantages",
+    "check_rewards",
 ]
 
 
-def _check_rewards(rewards: torch.Tensor) -> torch.Tensor:
+def check_rewards(rewards: torch.Tensor) -> torch.Tensor:
     """Validate a ``[P, G]`` reward tensor and return it as floating point."""
     if not isinstance(rewards, torch.Tensor):
         raise ValueError(f"rewards must be a torch.Tensor of shape [P, G], got {type(rewards).__name__}")
@@ -61,7 +62,7 @@ def group_advantages(rewards: torch.Tensor, *, std_normalize: bool = True, eps: 
     all equal (all correct, all wrong) carry no signal and get exactly 0, even where float rounding
     of the mean would leave a tiny residue.
     """
-    rewards = _check_rewards(rewards)
+    rewards = check_rewards(rewards)
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     centred = rewards - rewards.mean(dim=1, keepdim=True)
@@ -83,7 +84,7 @@ def success_rate(rewards: torch.Tensor, *, r_correct: float = 1.0, r_wrong: floa
     Returns:
         ``[P]`` in [0, 1] (clamped, for rewards outside the two levels, e.g. shaped ones).
     """
-    rewards = _check_rewards(rewards)
+    rewards = check_rewards(rewards)
     _check_reward_levels(r_correct, r_wrong)
     return ((rewards.mean(dim=1) - r_wrong) / (r_correct - r_wrong)).clamp(0.0, 1.0)
 

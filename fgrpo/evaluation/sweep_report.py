@@ -16,12 +16,33 @@ from fgrpo.evaluation.eval_counts import EvalCounts, aligned_counts, load_counts
 from fgrpo.evaluation.plots import plot_pass_at_k_panels
 from fgrpo.evaluation.significance import (AVERAGE, DEFAULT_ALPHA, PERMUTATION_SPLITS, paired_test,
                                            permutation_test, p_value_text)
-from fgrpo.evaluation.sweep_runs import ReportError, Run, Cell, completed_cells, largest_final_k, pass_at_ks
+from fgrpo.algorithm.advantage_settings import REFERENCE
+from fgrpo.evaluation.sweep_runs import (ReportError, Run, Cell, completed_cells, largest_final_k, pass_at_ks,
+                                       reference_cell)
 from fgrpo.infra.errors import CompareError
 from fgrpo.infra.run_files import COUNTS_FILE
 
 SIGNIFICANCE_ITERATIONS = 10_000  # per compared row: about 3 s at the paper's size (6 x 500 problems, 8 x 1024 samples)
 NO_VALUE = "—"
+
+
+def _describe(cell: Cell) -> str:
+    """``grpo, gamma=1`` for the focal weight, ``grpo, maxrl`` for another advantage method."""
+    algo, method, gamma = cell
+    return f"{algo}, gamma={gamma:g}" if method == REFERENCE else f"{algo}, {method}"
+
+
+def shows_method(cells) -> bool:
+    """Whether the tables need an advantage column: some cell is not the focal weight."""
+    return any(cell[1] != REFERENCE for cell in cells)
+
+
+def _key_columns(cell: Cell, method: bool) -> list[str]:
+    return [cell[0], *([cell[1]] if method else []), f"{cell[2]:g}"]
+
+
+def _key_header(method: bool) -> list[str]:
+    return ["algo", *(["advantage"] if method else []), "gamma"]
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -61,21 +82,21 @@ def significance_columns(runs: list[Run], largest_k: int, *, iterations: int = S
     for cell, cell_runs in sorted(cells.items()):
         without = [r for r in cell_runs if not (r.path / COUNTS_FILE).is_file()]
         if without:
-            notes.append(f"{cell[0]}, gamma={cell[1]:g}: {len(without)} of its runs wrote no {COUNTS_FILE} "
+            notes.append(f"{_describe(cell)}: {len(without)} of its runs wrote no {COUNTS_FILE} "
                          f"(e.g. {without[0].path}; runs from before per-problem counts), so no test ({NO_VALUE})")
             continue
         try:
             pooled[cell] = _pooled_cell_counts(cell_runs)
         except CompareError as error:
-            notes.append(f"{cell[0]}, gamma={cell[1]:g}: {error} ({NO_VALUE})")
-    pairs = {cell: (cell[0], 0.0) for cell in cells if cell[1] != 0}
+            notes.append(f"{_describe(cell)}: {error} ({NO_VALUE})")
+    pairs = {cell: reference_cell(cell) for cell in cells if cell != reference_cell(cell)}
     testable = {cell: base for cell, base in pairs.items() if cell in pooled and base in pooled}
     for cell, base in sorted(pairs.items()):
         if base not in cells:
-            notes.append(f"{cell[0]}, gamma={cell[1]:g}: no gamma=0 run of {cell[0]} to compare with ({NO_VALUE})")
+            notes.append(f"{_describe(cell)}: no gamma=0 run of {cell[0]} to compare with ({NO_VALUE})")
     half_m = {cell: min(pooled[cell].n, pooled[base].n) // 4 // 2 for cell, base in testable.items()}
     for cell in [c for c, h in half_m.items() if h < 1]:
-        notes.append(f"{cell[0]}, gamma={cell[1]:g}: too few pooled samples per problem for the test "
+        notes.append(f"{_describe(cell)}: too few pooled samples per problem for the test "
                      f"(n={min(pooled[cell].n, pooled[pairs[cell]].n)}; m = n // 4 must be >= 2) ({NO_VALUE})")
         del testable[cell]
     limit = min([largest_k, *(half_m[cell] for cell in testable)])
@@ -87,7 +108,7 @@ def significance_columns(runs: list[Run], largest_k: int, *, iterations: int = S
         try:
             correct_a, correct_b = aligned_counts(pooled[cell], pooled[base])
         except CompareError as error:
-            notes.append(f"{cell[0]}, gamma={cell[1]:g} versus gamma=0: {error} ({NO_VALUE})")
+            notes.append(f"{_describe(cell)} versus gamma=0: {error} ({NO_VALUE})")
             continue
         comparisons = paired_test(correct_a, correct_b, pooled[cell].n, pooled[base].n, ks=ks,
                                   iterations=iterations, alpha=alpha, seed=seed)
@@ -95,10 +116,13 @@ def significance_columns(runs: list[Run], largest_k: int, *, iterations: int = S
                          for c in comparisons if c.dataset == AVERAGE]
     row_cells = {}
     for cell in cells:
-        if cell[1] == 0:
+        if cell == reference_cell(cell):
             row_cells[cell] = ["ref"] * len(ks)
         else:
             row_cells[cell] = results.get(cell, [NO_VALUE] * len(ks))
+    if shows_method(cells):
+        notes.append("A row of another advantage method is compared with the gamma=0 row of its algo's focal "
+                     "advantage (the plain algorithm); its gamma is 0.")
     if big_k < largest_k and testable:
         notes.append(f"pass@{largest_k} is not tested: the test needs k <= m/2 = n/8 of the pooled samples "
                      f"(pass@{largest_k} needs {8 * largest_k} samples per problem per cell, i.e. more seeds); "
@@ -129,18 +153,19 @@ def seeds_table(runs: list[Run], k: int) -> tuple[list[str], list[list[str]], li
     if max((len(cell_runs) for cell_runs in cells.values()), default=0) < 2:
         return None
     keys = ["eval/pass@1", f"eval/pass@{k}"]
-    header = ["algo", "gamma", "seeds"]
+    method = shows_method(cells)
+    header = [*_key_header(method), "seeds"]
     for key in keys:
         header += [f"{key.removeprefix('eval/')} % per seed", "Δ mean vs γ=0"]
     rows = []
-    for algo, gamma in sorted(cells):
-        cell_runs, base_runs = cells[(algo, gamma)], cells.get((algo, 0.0), [])
-        row = [algo, f"{gamma:g}", ", ".join(str(r.config.get("seed")) for r in cell_runs)]
+    for cell in sorted(cells):
+        cell_runs, base_runs = cells[cell], cells.get(reference_cell(cell), [])
+        row = [*_key_columns(cell, method), ", ".join(str(r.config.get("seed")) for r in cell_runs)]
         for key in keys:
             values = [r.final[key] for r in cell_runs if key in r.final]
             base = [r.final[key] for r in base_runs if key in r.final]
             row.append(", ".join(f"{100 * v:.1f}" for v in values) or NO_VALUE)
-            if gamma == 0:
+            if cell == reference_cell(cell):
                 row.append("ref")
             elif min(len(values), len(base)) >= 2:
                 difference = 100 * (np.mean(values) - np.mean(base))
@@ -171,15 +196,16 @@ def build_table(runs: list[Run], significance: Significance | None = None) -> tu
         for cell, cell_runs in cells.items()
     }
     best = [max(stats[cell][i][0] for cell in stats) for i in range(len(columns))]
-    header = ["algo", "gamma", "seeds", "pass@1", f"pass@{k}"]
+    method = shows_method(cells)
+    header = [*_key_header(method), "seeds", "pass@1", f"pass@{k}"]
     rows = []
-    for algo, gamma in sorted(cells, key=lambda c: (c[0], c[1])):
-        row = [algo, f"{gamma:g}", str(len(cells[(algo, gamma)]))]
-        for i, (mean, std) in enumerate(stats[(algo, gamma)]):
+    for cell in sorted(cells):
+        row = [*_key_columns(cell, method), str(len(cells[cell]))]
+        for i, (mean, std) in enumerate(stats[cell]):
             mark = "*" if math.isclose(mean, best[i]) else " "
             row.append(f"{100 * mean:5.1f} +- {100 * std:4.1f}{mark}")
         if significance is not None:
-            row += significance.cells[(algo, gamma)]
+            row += significance.cells[cell]
         rows.append(row)
     if significance is not None:
         header += significance.header
@@ -203,8 +229,9 @@ def _counted(count: int, noun: str) -> str:
 
 
 def plot_curves(runs: list[Run], path: Path) -> None:
-    """report.png: one panel per algorithm, one line per gamma (final pass@k, mean over seeds, +-1 std shaded), and
-    a line for the evaluation before training (the algorithm's runs at step 0) where they made one."""
+    """report.png: one panel per algorithm, one line per gamma or advantage method (final pass@k, mean over seeds,
+    +-1 std shaded), and a line for the evaluation before training (the algorithm's runs at step 0) where they made
+    one."""
     completed = [r for r in runs if r.status == "completed"]
 
     def mean_curve(rows: list[dict]) -> list[tuple[int, float, float, float]]:
@@ -220,9 +247,10 @@ def plot_curves(runs: list[Run], path: Path) -> None:
         befores = [r.before for r in completed if r.algo == algo and r.before]
         if befores:
             curves[f"before training ({_counted(len(befores), 'run')})"] = mean_curve(befores)
-        for gamma in sorted({r.gamma for r in completed if r.algo == algo}):
-            group = [r.final for r in completed if r.algo == algo and r.gamma == gamma]
-            curves[f"gamma={gamma:g} ({_counted(len(group), 'seed')})"] = mean_curve(group)
+        for _, method, gamma in sorted(cell for cell in completed_cells(runs) if cell[0] == algo):
+            group = [r.final for r in completed if (r.algo, r.method, r.gamma) == (algo, method, gamma)]
+            name = f"gamma={gamma:g}" if method == REFERENCE else method
+            curves[f"{name} ({_counted(len(group), 'seed')})"] = mean_curve(group)
         panels[algo] = curves
     plot_pass_at_k_panels(panels, path, ylabel="pass@k")
 
@@ -253,8 +281,9 @@ def _rates(run: Run, step: int | None) -> np.ndarray | None:
     return np.array([c for problems in counts.correct.values() for c in problems.values()]) / counts.n
 
 
-def _cell_label(algo: str, gamma: float) -> str:
-    return f"{algo} γ={gamma:g}"
+def _cell_label(cell: Cell) -> str:
+    algo, method, gamma = cell
+    return f"{algo} γ={gamma:g}" if method == REFERENCE else f"{algo} {method}"
 
 
 def plot_success_rates(runs: list[Run], path: Path) -> bool:
@@ -270,7 +299,7 @@ def plot_success_rates(runs: list[Run], path: Path) -> bool:
               for cell, cell_runs in sorted(cells.items())}
     colors = {cell: f"C{index}" for index, cell in enumerate(sorted(cells))}  # one color per cell, both panels
     bars = ([(f"before training ({_counted(len(befores), 'run')})", "0.6", np.concatenate(befores))] if befores else [])
-    bars += [(f"{_cell_label(*cell)} after ({_counted(len(rates), 'seed')})", colors[cell], np.concatenate(rates))
+    bars += [(f"{_cell_label(cell)} after ({_counted(len(rates), 'seed')})", colors[cell], np.concatenate(rates))
              for cell, rates in afters.items() if rates]
     if not bars:
         return False
@@ -297,7 +326,7 @@ def plot_success_rates(runs: list[Run], path: Path) -> bool:
             window = min(5, length)
             smooth = np.convolve(mean, np.ones(window) / window, mode="valid")
             steps = [row["step"] for row in cell_runs[0].steps][window - 1:length]
-            training.plot(steps, smooth, style, color=color, label=f"{_cell_label(*cell)}: {what}",
+            training.plot(steps, smooth, style, color=color, label=f"{_cell_label(cell)}: {what}",
                           marker="." if len(steps) < 10 else None)
     training.set_xlabel("training step")
     training.set_ylabel(f"share of the step's groups ({min(5, max(len(r.steps) for r in completed) or 1)}-step mean)")
@@ -324,13 +353,14 @@ def runs_table(runs: list[Run], k: int) -> tuple[list[str], list[list[str]]]:
     """One row per completed run: pass@1 and pass@k before -> after training (%), the held-out problems never
     solved (c = 0) before -> after, the rare-trajectory NLL change at the last evaluation (when the run measured
     it, eval.rare_set, else from RARE_SCORE_FILE in the run directory) and the median step time."""
-    header = ["algo", "gamma", "seed", "pass@1 %", f"pass@{k} %", "c=0 problems", "ΔNLL_rare", "median step s"]
-    rows = []
     completed = sorted((r for r in runs if r.status == "completed"),
-                       key=lambda r: (r.algo, r.gamma, str(r.config.get("seed"))))
+                       key=lambda r: (r.algo, r.method, r.gamma, str(r.config.get("seed"))))
+    method = shows_method((r.algo, r.method, r.gamma) for r in completed)
+    header = [*_key_header(method), "seed", "pass@1 %", f"pass@{k} %", "c=0 problems", "ΔNLL_rare", "median step s"]
+    rows = []
     for run in completed:
         first, last = run.before, run.final
-        cells = [run.algo, f"{run.gamma:g}", str(run.config.get("seed"))]
+        cells = [*_key_columns((run.algo, run.method, run.gamma), method), str(run.config.get("seed"))]
         for key in ("eval/pass@1", f"eval/pass@{k}"):
             cells.append(" → ".join(f"{100 * row[key]:.1f}" if key in row else NO_VALUE for row in (first, last)))
         never = [None if not row or (rates := _rates(run, row.get("step"))) is None else int(np.sum(rates == 0))

@@ -1,7 +1,7 @@
 """The runs of a sweep directory, as ``python -m fgrpo.report`` reads them: each run's saved config and metrics
 (``.hydra/config.yaml``, ``.hydra/hydra.yaml``, ``metrics.jsonl``), the jobs of the sweep's ``multirun.yaml`` that left
 no run directory (with submitit's Slurm log where there is one), the check that the runs differ only in algo, gamma
-and seed, and the completed runs grouped by table cell (algo, gamma)."""
+and seed, and the completed runs grouped by table cell (algo, advantage method, gamma)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fgrpo.algorithm.advantage_settings import REFERENCE, AdvantageSettings, method_label
 from fgrpo.infra.run_files import read_metrics
 
-# keys that identify a table cell or may differ between runs of one sweep
+# keys that identify a table cell (with the advantage.* keys) or may differ between runs of one sweep
 CELL_KEYS = ("algo.name", "focal.gamma")
 # what `auto` settles per job from the machine it runs on (fgrpo.infra.precision), written into its saved config
 SETTLED_KEYS = {"hardware.autocast_dtype", "hardware.sampler_dtype", "hardware.keep_matmul_outputs_gib"}
@@ -42,6 +43,15 @@ class Run:
     @property
     def gamma(self) -> float:
         return float(self.config["focal.gamma"])
+
+    @property
+    def method(self) -> str:
+        """The advantage method with its parameter (``focal``, ``maxrl``, ``passk k=4``, ...); runs saved before the
+        ``advantage`` option had focal."""
+        name = self.config.get("advantage.name", REFERENCE)
+        defaults = AdvantageSettings(name)
+        params = {key: self.config.get(f"advantage.{key}", getattr(defaults, key)) for key in ("lam", "beta", "k")}
+        return method_label(AdvantageSettings(name, **params), with_gamma=False)
 
     @property
     def final(self) -> dict:
@@ -185,7 +195,7 @@ def check_same_config(runs: list[Run]) -> None:
     differing = {}
     keys = set().union(*(r.config for r in completed)) if completed else set()
     for key in sorted(keys):
-        if key in FREE_KEYS or key.startswith(("algo.", "focal.")):
+        if key in FREE_KEYS or key.startswith(("algo.", "focal.", "advantage.")):
             continue
         values = {repr(r.config.get(key)) for r in completed}
         if len(values) > 1:
@@ -210,7 +220,12 @@ def largest_final_k(runs: list[Run]) -> int:
 
 
 
-Cell = tuple[str, float]  # (algo, gamma)
+Cell = tuple[str, str, float]  # (algo, advantage method, gamma)
+
+
+def reference_cell(cell: Cell) -> Cell:
+    """What a cell is compared with: the plain algorithm (focal at gamma 0) of the same algo."""
+    return (cell[0], REFERENCE, 0.0)
 
 
 def _seed_key(run: Run) -> tuple:
@@ -222,5 +237,5 @@ def completed_cells(runs: list[Run]) -> dict[Cell, list[Run]]:
     """The completed runs by table cell (algo, gamma), each cell's runs in seed order."""
     cells: dict[Cell, list[Run]] = defaultdict(list)
     for run in sorted((r for r in runs if r.status == "completed"), key=_seed_key):
-        cells[(run.algo, run.gamma)].append(run)
+        cells[(run.algo, run.method, run.gamma)].append(run)
     return cells

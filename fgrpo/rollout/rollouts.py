@@ -68,6 +68,11 @@ class Groups:
         return Groups(self.problems + other.problems, self.completions + other.completions,
                       torch.cat([self.correct, other.correct]), self.verify_time_s + other.verify_time_s)
 
+    def mean_logprobs(self) -> torch.Tensor:
+        """``[P, G]`` each completion's mean token log-prob under the policy that sampled it (0 for an empty one)."""
+        return torch.tensor([[sum(c.logprobs) / len(c.logprobs) if c.logprobs else 0.0 for c in group]
+                             for group in self.completions], dtype=torch.float32).reshape(self.correct.shape)
+
     def mixed(self) -> list[int]:
         """Groups with both outcomes: the only ones with a non-zero group-relative advantage."""
         successes = self.correct.sum(dim=1)

@@ -78,6 +78,13 @@ def test_learner_sequences_carry_their_advantage_and_skip_empty_completions():
         ([1, 2], [5], 0.5), ([3], [6, 7], -0.25), ([3], [8], 0.25)]
 
 
+def test_mean_logprobs_are_each_completions_mean_token_log_prob():
+    completions = [[Completion([5, 6], [-1.0, -3.0], False, "56"), Completion([], [], False, "")],
+                   [Completion([7], [-0.5], False, "7"), Completion([8, 9, 1], [-1.0, -2.0, -6.0], True, "891")]]
+    groups = Groups(problems(2), completions, torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    assert groups.mean_logprobs().tolist() == [[-2.0, 0.0], [-0.5, -3.0]]
+
+
 def test_overlong_penalty_follows_dapo():
     # max 32 tokens, buffer 16: no penalty up to 16, then linear down to -1 at 32
     assert overlong_penalty(10, 32, 16, 1.0) == 0.0
