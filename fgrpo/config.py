@@ -333,7 +333,7 @@ def _check_advantage(cfg, need, methods: tuple) -> None:
          f"weights advantage=focal only: use advantage=focal, or focal.gamma=0 with advantage={adv.name}")
     need(adv.lam > 0, "advantage.lam", adv.lam, "must be > 0 (W-REINFORCE's weight of a correct sample; the paper: 0.1)")
     need(0 <= adv.beta <= 1, "advantage.beta", adv.beta, "must be in [0, 1] (the unlikeliness penalty; the paper: 0.25)")
-    need(1 <= adv.k <= cfg.algo.group_size, "advantage.k", adv.k,
+    need(adv.name != "passk" or 1 <= adv.k <= cfg.algo.group_size, "advantage.k", adv.k,
          f"must be between 1 and algo.group_size={cfg.algo.group_size} (a k-subset of the group)")
     # these read the 0/1 verdicts (or need rewards >= 0): DAPO's overlong penalty would be ignored or break them
     need(not (cfg.algo.overlong_shaping and adv.name in ("maxrl", "w_reinforce", "passk")), "algo.overlong_shaping",

@@ -92,14 +92,14 @@ def test_unknown_group_option_lists_choices(compose):
         ("hardware.learner_dtype=auto", "hardware.learner_dtype='auto': must be one of ('float32', 'bfloat16', 'float16')"),
         ("advantage.name=grpo_passk", "advantage.name='grpo_passk': must be one of ('focal', 'dr_grpo', 'maxrl', "
                                       "'unlikeliness', 'w_reinforce', 'passk') (advantage=<name>)"),
-        ("advantage.k=9", "advantage.k=9: must be between 1 and algo.group_size=8"),
+        ("advantage=passk advantage.k=9", "advantage.k=9: must be between 1 and algo.group_size=8"),
         ("advantage.lam=0", "advantage.lam=0.0: must be > 0"),
         ("advantage.beta=1.5", "advantage.beta=1.5: must be in .0, 1. .the unlikeliness penalty"),
     ],
 )
 def test_range_checks_name_key_and_value(compose, override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        validate(compose(override))
+        validate(compose(*override.split()))
 
 
 def test_several_problems_are_reported_together(compose):
@@ -142,6 +142,7 @@ def test_an_advantage_method_with_what_it_cannot_combine_with_is_refused(compose
         validate(compose("advantage=passk", "algo.overlong_shaping=true"))
     validate(compose("advantage=unlikeliness", "algo=dapo", "algo.overlong_shaping=true"))  # it reads the rewards
     validate(compose("advantage=focal", "focal=fgrpo", "algo=cispo"))
+    validate(compose("algo.group_size=2"))  # advantage.k=4 is passk's alone
 
 
 def test_the_removed_std_normalize_key_is_now_advantage_dr_grpo(compose):

@@ -51,3 +51,23 @@ def test_the_committed_arith_headroom_runs_report_the_numbers_of_docs_results(tm
     assert "| grpo | 1 | 0 | — → 53.7 | — → 81.7 | — → 11 | +0.362 |" in md
     assert "| grpo | 0 | 2 | — → 51.3 | — → 70.0 | — → 18 | +0.455 |" in md
     assert "| grpo | 1 | 2 | — → 56.5 | — → 90.0 | — → 6 | +0.372 |" in md
+
+
+def test_on_policy_dapo_is_grpo_step_for_step_as_docs_results_says():
+    """docs/results.md: with one update per batch DAPO's gradient is GRPO's, so the committed DAPO run (gamma 1, seed 0)
+    made the committed GRPO run's 40 steps: the same loss and rewards at every step, nothing clipped."""
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "docs" / "results" / "arith_headroom"
+    steps = {}
+    runs = {"dapo": results / "dapo_on_policy" / "dapo_gamma1_seed0", "grpo": results / "runs" / "grpo_gamma1_seed0"}
+    for name, run in runs.items():
+        steps[name] = {r["step"]: r for r in read_metrics(run / "metrics.jsonl") if "train/loss" in r}
+    assert sorted(steps["dapo"]) == sorted(steps["grpo"]) == list(range(1, 41))
+    for step, dapo in steps["dapo"].items():
+        grpo = steps["grpo"][step]
+        assert dapo["train/loss"] == grpo["train/loss"] and dapo["train/reward_mean"] == grpo["train/reward_mean"]
+        assert abs(dapo["train/grad_norm"] - grpo["train/grad_norm"]) < 2e-4
+        assert dapo["train/clip_frac_low"] == dapo["train/clip_frac_high"] == grpo["train/clip_frac_high"] == 0.0
+        assert dapo["train/ratio_max"] == 1.0
+    assert (runs["dapo"] / COUNTS_FILE).read_text() == (runs["grpo"] / COUNTS_FILE).read_text()
