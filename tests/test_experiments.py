@@ -71,3 +71,21 @@ def test_on_policy_dapo_is_grpo_step_for_step_as_docs_results_says():
         assert dapo["train/clip_frac_low"] == dapo["train/clip_frac_high"] == grpo["train/clip_frac_high"] == 0.0
         assert dapo["train/ratio_max"] == 1.0
     assert (runs["dapo"] / COUNTS_FILE).read_text() == (runs["grpo"] / COUNTS_FILE).read_text()
+
+
+def test_the_committed_four_updates_runs_report_the_numbers_of_docs_results(tmp_path):
+    """docs/results.md, "Four updates per batch": the report over the committed runs gives the quoted numbers."""
+    from pathlib import Path
+
+    from fgrpo.report import report
+
+    runs = Path(__file__).resolve().parents[1] / "docs" / "results" / "arith_headroom" / "mini_batches4" / "runs"
+    table = report(runs, tmp_path).split("\n\n")[0].replace("*", " ")
+    rows = {tuple(line.split()[:2]): " ".join(line.split()[2:]) for line in table.splitlines()[2:]}
+    assert rows[("cispo", "0")] == "1 52.9 +- 0.0 68.3 +- 0.0 ref ref"
+    assert rows[("cispo", "1")] == "1 45.2 +- 0.0 71.7 +- 0.0 -7.6 (p=0.0002) -1.9 (p=0.0620)"
+    assert rows[("grpo", "0")] == "1 55.6 +- 0.0 71.7 +- 0.0 ref ref"
+    md = (tmp_path / "report.md").read_text()
+    assert "| cispo | 0 | 0 | — → 52.9 | — → 68.3 | — → 19 | +0.746 |" in md
+    assert "| cispo | 1 | 0 | — → 45.2 | — → 71.7 | — → 17 | +0.535 |" in md
+    assert "| grpo | 0 | 0 | — → 55.6 | — → 71.7 | — → 17 | +0.706 |" in md
