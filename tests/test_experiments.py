@@ -85,7 +85,9 @@ def test_the_committed_four_updates_runs_report_the_numbers_of_docs_results(tmp_
     assert rows[("cispo", "0")] == "1 52.9 +- 0.0 68.3 +- 0.0 ref ref"
     assert rows[("cispo", "1")] == "1 45.2 +- 0.0 71.7 +- 0.0 -7.6 (p=0.0002) -1.9 (p=0.0620)"
     assert rows[("grpo", "0")] == "1 55.6 +- 0.0 71.7 +- 0.0 ref ref"
+    assert rows[("grpo", "1")] == "1 57.4 +- 0.0 88.3 +- 0.0 +1.8 (p=0.0026) +9.5 (p=0.0002)"
     md = (tmp_path / "report.md").read_text()
     assert "| cispo | 0 | 0 | — → 52.9 | — → 68.3 | — → 19 | +0.746 |" in md
     assert "| cispo | 1 | 0 | — → 45.2 | — → 71.7 | — → 17 | +0.535 |" in md
     assert "| grpo | 0 | 0 | — → 55.6 | — → 71.7 | — → 17 | +0.706 |" in md
+    assert "| grpo | 1 | 0 | — → 57.4 | — → 88.3 | — → 7 | +0.556 |" in md
