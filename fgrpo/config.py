@@ -12,7 +12,10 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from fgrpo.algorithm.advantage_settings import AdvantageSettings
 from fgrpo.infra.errors import ConfigError
+
+_ADVANTAGE_DEFAULTS = AdvantageSettings("focal")
 
 # the values of hardware.autocast_dtype and hardware.sampler_dtype (fgrpo.infra.precision settles auto); null autocast
 # means the same as float32: the matmuls run in the weights' own dtype
@@ -59,9 +62,10 @@ class AdvantageConfig:
     # how group rewards become advantages (fgrpo.algorithm.advantage_methods; docs/algorithm.md): focal (F-GRPO,
     # focal.gamma; gamma 0 = GRPO's group-normalised advantage), dr_grpo, maxrl, unlikeliness, w_reinforce, passk
     name: str = MISSING
-    lam: float = 0.1  # w_reinforce: the weight of a correct sample (a wrong one gets -1)
-    beta: float = 0.25  # unlikeliness: a correct sample's reward times 1 - beta * rank / G (rank 0 = least likely)
-    k: int = 4  # passk: the k of the pass@k whose advantage is trained, 1 <= k <= algo.group_size
+    # the defaults are AdvantageSettings' (fgrpo.algorithm.advantage_settings, torch-free), written once there
+    lam: float = _ADVANTAGE_DEFAULTS.lam  # w_reinforce: the weight of a correct sample (a wrong one gets -1)
+    beta: float = _ADVANTAGE_DEFAULTS.beta  # unlikeliness: a correct sample's reward times 1 - beta * rank / G
+    k: int = _ADVANTAGE_DEFAULTS.k  # passk: the k of the pass@k whose advantage is trained, 1 <= k <= group size
 
 
 @dataclass

@@ -14,8 +14,8 @@ _PARAMETER = {"w_reinforce": "lam", "unlikeliness": "beta", "passk": "k"}
 
 @dataclass(frozen=True)
 class AdvantageSettings:
-    """One method and its parameters (the ``advantage`` config group plus ``focal.gamma``). Defaults as in the config
-    schema (``AdvantageConfig``)."""
+    """One method and its parameters (the ``advantage`` config group plus ``focal.gamma``). Its defaults are the
+    config schema's too (``AdvantageConfig`` reads them from here)."""
 
     method: str  # a name in METHODS
     gamma: float = 0.0  # focal: (1 - mu_hat) ** gamma
