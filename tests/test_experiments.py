@@ -84,10 +84,14 @@ def test_the_committed_four_updates_runs_report_the_numbers_of_docs_results(tmp_
     rows = {tuple(line.split()[:2]): " ".join(line.split()[2:]) for line in table.splitlines()[2:]}
     assert rows[("cispo", "0")] == "1 52.9 +- 0.0 68.3 +- 0.0 ref ref"
     assert rows[("cispo", "1")] == "1 45.2 +- 0.0 71.7 +- 0.0 -7.6 (p=0.0002) -1.9 (p=0.0620)"
+    assert rows[("dapo", "0")] == "1 54.3 +- 0.0 83.3 +- 0.0 ref ref"
+    assert rows[("dapo", "1")] == "1 59.9 +- 0.0 76.7 +- 0.0 +5.6 (p=0.0002) +3.3 (p=0.0052)"
     assert rows[("grpo", "0")] == "1 55.6 +- 0.0 71.7 +- 0.0 ref ref"
     assert rows[("grpo", "1")] == "1 57.4 +- 0.0 88.3 +- 0.0 +1.8 (p=0.0026) +9.5 (p=0.0002)"
     md = (tmp_path / "report.md").read_text()
     assert "| cispo | 0 | 0 | — → 52.9 | — → 68.3 | — → 19 | +0.746 |" in md
     assert "| cispo | 1 | 0 | — → 45.2 | — → 71.7 | — → 17 | +0.535 |" in md
+    assert "| dapo | 0 | 0 | — → 54.3 | — → 83.3 | — → 10 | +0.583 |" in md
+    assert "| dapo | 1 | 0 | — → 59.9 | — → 76.7 | — → 14 | +0.646 |" in md
     assert "| grpo | 0 | 0 | — → 55.6 | — → 71.7 | — → 17 | +0.706 |" in md
     assert "| grpo | 1 | 0 | — → 57.4 | — → 88.3 | — → 7 | +0.556 |" in md
