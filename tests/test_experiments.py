@@ -1,10 +1,21 @@
 """The shipped experiments of docs/results.md compose to their documented settings and run end to end."""
 
 import json
+from pathlib import Path
 
 from fgrpo.rollout.data import arithmetic_problems
 from fgrpo.infra.run_files import COUNTS_FILE, read_jsonl, read_metrics
 from test_run import run_cli
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "arith_headroom"  # committed in docs/results.md
+
+
+def _report_of(runs: Path, tmp_path) -> tuple[str, str]:
+    """The report over committed runs: its printed table (the text before the first blank line) and report.md."""
+    from fgrpo.report import report
+
+    table = report(runs, tmp_path).split("\n\n")[0]
+    return table, (tmp_path / "report.md").read_text()
 
 
 def test_arith_headroom_composes_to_its_documented_settings(compose):
@@ -36,16 +47,9 @@ def test_arith_headroom_one_step_smoke_run_on_tiny_random(tmp_path):
 
 def test_the_committed_arith_headroom_runs_report_the_numbers_of_docs_results(tmp_path):
     """docs/results.md quotes the report over the runs kept in the repository; they must still report the same."""
-    from pathlib import Path
-
-    from fgrpo.report import report
-
-    runs = Path(__file__).resolve().parents[1] / "docs" / "results" / "arith_headroom" / "runs"
-    text = report(runs, tmp_path)
-    table = text.split("\n\n")[0]
+    table, md = _report_of(RESULTS / "runs", tmp_path)
     assert "grpo  0      3       56.2 +-  5.2    77.2 +-  6.3   ref              ref" in table
     assert "grpo  1      3       57.4 +-  4.2*   83.3 +-  6.0*  +1.2 (p=0.0034)  +3.0 (p=0.0002)" in table
-    md = (tmp_path / "report.md").read_text()
     assert "| grpo | 1 | 0, 1, 2 | 53.7, 62.0, 56.5 | +1.2 (p=0.7000) | 81.7, 78.3, 90.0 | +6.1 (p=0.5000) |" in md
     assert "| grpo | 0 | 0 | 11.9 → 55.6 | 71.7 → 81.7 | 17 → 11 | +0.533 |" in md
     assert "| grpo | 1 | 0 | — → 53.7 | — → 81.7 | — → 11 | +0.362 |" in md
@@ -56,11 +60,8 @@ def test_the_committed_arith_headroom_runs_report_the_numbers_of_docs_results(tm
 def test_on_policy_dapo_is_grpo_step_for_step_as_docs_results_says():
     """docs/results.md: with one update per batch DAPO's gradient is GRPO's, so the committed DAPO run (gamma 1, seed 0)
     made the committed GRPO run's 40 steps: the same loss and rewards at every step, nothing clipped."""
-    from pathlib import Path
-
-    results = Path(__file__).resolve().parents[1] / "docs" / "results" / "arith_headroom"
     steps = {}
-    runs = {"dapo": results / "dapo_on_policy" / "dapo_gamma1_seed0", "grpo": results / "runs" / "grpo_gamma1_seed0"}
+    runs = {"dapo": RESULTS / "dapo_on_policy" / "dapo_gamma1_seed0", "grpo": RESULTS / "runs" / "grpo_gamma1_seed0"}
     for name, run in runs.items():
         steps[name] = {r["step"]: r for r in read_metrics(run / "metrics.jsonl") if "train/loss" in r}
     assert sorted(steps["dapo"]) == sorted(steps["grpo"]) == list(range(1, 41))
@@ -75,20 +76,14 @@ def test_on_policy_dapo_is_grpo_step_for_step_as_docs_results_says():
 
 def test_the_committed_four_updates_runs_report_the_numbers_of_docs_results(tmp_path):
     """docs/results.md, "Four updates per batch": the report over the committed runs gives the quoted numbers."""
-    from pathlib import Path
-
-    from fgrpo.report import report
-
-    runs = Path(__file__).resolve().parents[1] / "docs" / "results" / "arith_headroom" / "mini_batches4" / "runs"
-    table = report(runs, tmp_path).split("\n\n")[0].replace("*", " ")
-    rows = {tuple(line.split()[:2]): " ".join(line.split()[2:]) for line in table.splitlines()[2:]}
+    table, md = _report_of(RESULTS / "mini_batches4" / "runs", tmp_path)
+    rows = {tuple(line.split()[:2]): " ".join(line.split()[2:]) for line in table.replace("*", " ").splitlines()[2:]}
     assert rows[("cispo", "0")] == "1 52.9 +- 0.0 68.3 +- 0.0 ref ref"
     assert rows[("cispo", "1")] == "1 45.2 +- 0.0 71.7 +- 0.0 -7.6 (p=0.0002) -1.9 (p=0.0620)"
     assert rows[("dapo", "0")] == "1 54.3 +- 0.0 83.3 +- 0.0 ref ref"
     assert rows[("dapo", "1")] == "1 59.9 +- 0.0 76.7 +- 0.0 +5.6 (p=0.0002) +3.3 (p=0.0052)"
     assert rows[("grpo", "0")] == "2 54.4 +- 1.7 72.5 +- 1.2 ref ref"
     assert rows[("grpo", "1")] == "2 52.0 +- 7.6 81.7 +- 9.4 -2.4 (p=0.0002) +8.5 (p=0.0002)"
-    md = (tmp_path / "report.md").read_text()
     assert "| cispo | 0 | 0 | — → 52.9 | — → 68.3 | — → 19 | +0.746 |" in md
     assert "| cispo | 1 | 0 | — → 45.2 | — → 71.7 | — → 17 | +0.535 |" in md
     assert "| dapo | 0 | 0 | — → 54.3 | — → 83.3 | — → 10 | +0.583 |" in md
