@@ -79,20 +79,23 @@ def test_the_committed_four_updates_runs_report_the_numbers_of_docs_results(tmp_
     table, md = _report_of(RESULTS / "mini_batches4" / "runs", tmp_path)
     rows = {tuple(line.split()[:2]): " ".join(line.split()[2:]) for line in table.replace("*", " ").splitlines()[2:]}
     assert rows[("cispo", "0")] == "2 51.9 +- 1.4 74.2 +- 8.2 ref ref"
-    assert rows[("cispo", "1")] == "2 46.1 +- 1.3 75.8 +- 5.9 -5.7 (p=0.0002) -3.9 (p=0.0002)"
-    assert rows[("dapo", "0")] == "1 54.3 +- 0.0 83.3 +- 0.0 ref ref"
-    assert rows[("dapo", "1")] == "1 59.9 +- 0.0 76.7 +- 0.0 +5.6 (p=0.0002) +3.3 (p=0.0052)"
+    assert rows[("cispo", "1")] == "2 46.1 +- 1.3 75.8 +- 5.9 -5.7 (p=0.0002) -2.8 (p=0.0110)"
+    assert rows[("dapo", "0")] == "2 51.8 +- 3.6 83.3 +- 0.0 ref ref"
+    assert rows[("dapo", "1")] == "2 52.8 +- 10.1 75.0 +- 2.4 +1.0 (p=0.0582) -2.6 (p=0.0084)"
     assert rows[("grpo", "0")] == "2 54.4 +- 1.7 72.5 +- 1.2 ref ref"
-    assert rows[("grpo", "1")] == "2 52.0 +- 7.6 81.7 +- 9.4 -2.4 (p=0.0002) +8.5 (p=0.0002)"
+    assert rows[("grpo", "1")] == "2 52.0 +- 7.6 81.7 +- 9.4 -2.4 (p=0.0002) +10.8 (p=0.0002)"
     assert "| cispo | 0 | 0 | — → 52.9 | — → 68.3 | — → 19 | +0.746 |" in md
     assert "| cispo | 1 | 0 | — → 45.2 | — → 71.7 | — → 17 | +0.535 |" in md
     assert "| cispo | 0 | 1 | — → 50.9 | — → 80.0 | — → 12 | +0.653 |" in md
     assert "| cispo | 1 | 1 | — → 47.0 | — → 80.0 | — → 12 | +0.595 |" in md
     assert "| dapo | 0 | 0 | — → 54.3 | — → 83.3 | — → 10 | +0.583 |" in md
     assert "| dapo | 1 | 0 | — → 59.9 | — → 76.7 | — → 14 | +0.646 |" in md
+    assert "| dapo | 0 | 1 | — → 49.3 | — → 83.3 | — → 10 | +0.643 |" in md
+    assert "| dapo | 1 | 1 | — → 45.7 | — → 73.3 | — → 16 | +0.616 |" in md
     assert "| grpo | 0 | 0 | — → 55.6 | — → 71.7 | — → 17 | +0.706 |" in md
     assert "| grpo | 1 | 0 | — → 57.4 | — → 88.3 | — → 7 | +0.556 |" in md
     assert "| grpo | 0 | 1 | — → 53.2 | — → 73.3 | — → 16 | +0.932 |" in md
     assert "| grpo | 1 | 1 | — → 46.6 | — → 75.0 | — → 15 | +0.661 |" in md
     assert "| grpo | 1 | 0, 1 | 57.4, 46.6 | -2.4 (p=1.0000) | 88.3, 75.0 | +9.2 (p=0.3333) |" in md
     assert "| cispo | 1 | 0, 1 | 45.2, 47.0 | -5.7 (p=0.3333) | 71.7, 80.0 | +1.7 (p=1.0000) |" in md
+    assert "| dapo | 1 | 0, 1 | 59.9, 45.7 | +1.0 (p=1.0000) | 76.7, 73.3 | -8.3 (p=0.3333) |" in md
