@@ -82,8 +82,8 @@ def test_the_committed_four_updates_runs_report_the_numbers_of_docs_results(tmp_
     assert rows[("cispo", "1")] == "2 46.1 +- 1.3 75.8 +- 5.9 -5.7 (p=0.0002) -2.8 (p=0.0110)"
     assert rows[("dapo", "0")] == "2 51.8 +- 3.6 83.3 +- 0.0 ref ref"
     assert rows[("dapo", "1")] == "2 52.8 +- 10.1 75.0 +- 2.4 +1.0 (p=0.0582) -2.6 (p=0.0084)"
-    assert rows[("grpo", "0")] == "2 54.4 +- 1.7 72.5 +- 1.2 ref ref"
-    assert rows[("grpo", "1")] == "2 52.0 +- 7.6 81.7 +- 9.4 -2.4 (p=0.0002) +10.8 (p=0.0002)"
+    assert rows[("grpo", "0")] == "3 55.6 +- 2.5 74.4 +- 3.5 ref ref"
+    assert rows[("grpo", "1")] == "3 53.1 +- 5.7 82.8 +- 6.9 -2.5 (p=0.0002) +8.3 (p=0.0002)"
     assert "| cispo | 0 | 0 | — → 52.9 | — → 68.3 | — → 19 | +0.746 |" in md
     assert "| cispo | 1 | 0 | — → 45.2 | — → 71.7 | — → 17 | +0.535 |" in md
     assert "| cispo | 0 | 1 | — → 50.9 | — → 80.0 | — → 12 | +0.653 |" in md
@@ -96,6 +96,8 @@ def test_the_committed_four_updates_runs_report_the_numbers_of_docs_results(tmp_
     assert "| grpo | 1 | 0 | — → 57.4 | — → 88.3 | — → 7 | +0.556 |" in md
     assert "| grpo | 0 | 1 | — → 53.2 | — → 73.3 | — → 16 | +0.932 |" in md
     assert "| grpo | 1 | 1 | — → 46.6 | — → 75.0 | — → 15 | +0.661 |" in md
-    assert "| grpo | 1 | 0, 1 | 57.4, 46.6 | -2.4 (p=1.0000) | 88.3, 75.0 | +9.2 (p=0.3333) |" in md
+    assert "| grpo | 0 | 2 | — → 58.1 | — → 78.3 | — → 13 | +0.826 |" in md
+    assert "| grpo | 1 | 2 | — → 55.3 | — → 85.0 | — → 9 | +0.508 |" in md
+    assert "| grpo | 1 | 0, 1, 2 | 57.4, 46.6, 55.3 | -2.5 (p=0.6000) | 88.3, 75.0, 85.0 | +8.3 (p=0.2000) |" in md
     assert "| cispo | 1 | 0, 1 | 45.2, 47.0 | -5.7 (p=0.3333) | 71.7, 80.0 | +1.7 (p=1.0000) |" in md
     assert "| dapo | 1 | 0, 1 | 59.9, 45.7 | +1.0 (p=1.0000) | 76.7, 73.3 | -8.3 (p=0.3333) |" in md
