@@ -78,8 +78,8 @@ def test_the_committed_four_updates_runs_report_the_numbers_of_docs_results(tmp_
     """docs/results.md, "Four updates per batch": the report over the committed runs gives the quoted numbers."""
     table, md = _report_of(RESULTS / "mini_batches4" / "runs", tmp_path)
     rows = {tuple(line.split()[:2]): " ".join(line.split()[2:]) for line in table.replace("*", " ").splitlines()[2:]}
-    assert rows[("cispo", "0")] == "2 51.9 +- 1.4 74.2 +- 8.2 ref ref"
-    assert rows[("cispo", "1")] == "2 46.1 +- 1.3 75.8 +- 5.9 -5.7 (p=0.0002) -2.8 (p=0.0110)"
+    assert rows[("cispo", "0")] == "3 53.9 +- 3.6 73.9 +- 5.9 ref ref"
+    assert rows[("cispo", "1")] == "3 48.0 +- 3.4 77.8 +- 5.4 -5.9 (p=0.0002) -2.2 (p=0.0086)"
     assert rows[("dapo", "0")] == "2 51.8 +- 3.6 83.3 +- 0.0 ref ref"
     assert rows[("dapo", "1")] == "2 52.8 +- 10.1 75.0 +- 2.4 +1.0 (p=0.0582) -2.6 (p=0.0084)"
     assert rows[("grpo", "0")] == "3 55.6 +- 2.5 74.4 +- 3.5 ref ref"
@@ -89,6 +89,8 @@ def test_the_committed_four_updates_runs_report_the_numbers_of_docs_results(tmp_
         "| cispo | 1 | 0 | — → 45.2 | — → 71.7 | — → 17 | +0.535 |",
         "| cispo | 0 | 1 | — → 50.9 | — → 80.0 | — → 12 | +0.653 |",
         "| cispo | 1 | 1 | — → 47.0 | — → 80.0 | — → 12 | +0.595 |",
+        "| cispo | 0 | 2 | — → 57.9 | — → 73.3 | — → 16 | +0.840 |",
+        "| cispo | 1 | 2 | — → 51.8 | — → 81.7 | — → 11 | +0.765 |",
         "| dapo | 0 | 0 | — → 54.3 | — → 83.3 | — → 10 | +0.583 |",
         "| dapo | 1 | 0 | — → 59.9 | — → 76.7 | — → 14 | +0.646 |",
         "| dapo | 0 | 1 | — → 49.3 | — → 83.3 | — → 10 | +0.643 |",
@@ -103,5 +105,5 @@ def test_the_committed_four_updates_runs_report_the_numbers_of_docs_results(tmp_
     for row in run_rows:
         assert row in md
     assert "| grpo | 1 | 0, 1, 2 | 57.4, 46.6, 55.3 | -2.5 (p=0.6000) | 88.3, 75.0, 85.0 | +8.3 (p=0.2000) |" in md
-    assert "| cispo | 1 | 0, 1 | 45.2, 47.0 | -5.7 (p=0.3333) | 71.7, 80.0 | +1.7 (p=1.0000) |" in md
+    assert "| cispo | 1 | 0, 1, 2 | 45.2, 47.0, 51.8 | -5.9 (p=0.2000) | 71.7, 80.0, 81.7 | +3.9 (p=0.6000) |" in md
     assert "| dapo | 1 | 0, 1 | 59.9, 45.7 | +1.0 (p=1.0000) | 76.7, 73.3 | -8.3 (p=0.3333) |" in md
