@@ -30,7 +30,7 @@ def focal(rewards: torch.Tensor, correct: torch.Tensor, settings: AdvantageSetti
 
 def dr_grpo(rewards: torch.Tensor, correct: torch.Tensor, settings: AdvantageSettings,
             seq_logp: torch.Tensor | None = None) -> torch.Tensor:
-    """Dr. GRPO (arXiv 2503.20783, Sec. 3.2): ``R - mean R``, the std division removed (it up-weights groups whose
+    """Dr. GRPO (arXiv 2503.20783, Fig. 1): ``R - mean R``, the std division removed (it up-weights groups whose
     rewards barely vary, i.e. the nearly solved and the nearly unsolved prompts). The paper also sums each
     sample's tokens over a constant: ``algo.loss_agg=seq-mean-token-sum-norm``, a separate key."""
     return group_advantages(rewards, std_normalize=False)
@@ -79,7 +79,7 @@ def w_reinforce(rewards: torch.Tensor, correct: torch.Tensor, settings: Advantag
 
 def passk(rewards: torch.Tensor, correct: torch.Tensor, settings: AdvantageSettings,
           seq_logp: torch.Tensor | None = None) -> torch.Tensor:
-    """Pass@k training, analytic form (arXiv 2508.10751, Sec. 4): the GRPO advantage of the reward max over a
+    """Pass@k training, analytic form (arXiv 2508.10751): the GRPO advantage of the reward max over a
     k-subset, averaged over every k-subset of the group that holds the sample. With N = G, N_neg wrong samples,
     ``R = 1 - C(N_neg, k) / C(N, k)`` and ``s = sqrt(R (1 - R))``: a correct sample gets ``(1 - R) / s``, a wrong
     one ``(1 - R - C(N_neg - 1, k - 1) / C(N - 1, k - 1)) / s``. k = 1 is GRPO with the population std. A group with
