@@ -24,6 +24,9 @@ are left out. That test sees the sampling noise of the evaluation only; where ce
 ``report.md``'s "Over seeds" section lists each seed's final pass@1 and pass@k and tests the difference of the means
 over seeds with a permutation test over the runs (:func:`fgrpo.evaluation.significance.permutation_test`), which sees
 how much training varies from seed to seed.
+
+``--seeds 0,1`` reports only the runs of those seeds (the others are left out, not counted as failed): the pooled
+test then compares cells over the same seeds, when some cells have run more seeds than others.
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ from fgrpo.evaluation.sweep_runs import ReportError, check_same_config, find_mis
 
 
 def report(sweep_dir: Path, out_dir: Path | None = None, *,
-           significance_iterations: int = SIGNIFICANCE_ITERATIONS) -> str:
-    """Build the table, write report.md and report.png; return the text that is printed."""
-    runs = find_runs(Path(sweep_dir))
+           significance_iterations: int = SIGNIFICANCE_ITERATIONS, seeds: list[str] | None = None) -> str:
+    """Build the table, write report.md and report.png; return the text that is printed. ``seeds``: report only the
+    runs of these seeds (as strings, as the configs hold them)."""
+    all_runs = find_runs(Path(sweep_dir))
+    missing = find_missing_jobs(Path(sweep_dir), all_runs) if seeds is None else []
+    runs = all_runs if seeds is None else _of_seeds(all_runs, seeds)
     failed = [r for r in runs if r.status == "failed"]
-    missing = find_missing_jobs(Path(sweep_dir), runs)
     check_same_config(runs)
     completed = [r for r in runs if r.status == "completed"]
     significance = (significance_columns(runs, largest_final_k(completed), iterations=significance_iterations)
@@ -58,7 +63,9 @@ def report(sweep_dir: Path, out_dir: Path | None = None, *,
                      + (f" (Slurm job {job.job_id})" if job.job_id else "")
                      + f" left no run directory; log: {job.log_path or 'none (it failed before writing one, or never ran)'}"
                      for job in missing]
-    note = f"{len(runs) - len(failed)} completed runs, {len(failed) + len(missing)} failed. Final pass@1 and pass@{k} in %, mean +- std over seeds; * = best in column."
+    note = ("" if seeds is None
+            else f"Seeds {', '.join(seeds)} only ({len(all_runs) - len(runs)} runs of other seeds left out). ")
+    note += f"{len(runs) - len(failed)} completed runs, {len(failed) + len(missing)} failed. Final pass@1 and pass@{k} in %, mean +- std over seeds; * = best in column."
     plot_curves(runs, out_dir / "report.png")
     drew_rates = plot_success_rates(runs, out_dir / "report_success_rates.png")
     run_header, run_rows = runs_table(runs, k)
@@ -86,17 +93,28 @@ def report(sweep_dir: Path, out_dir: Path | None = None, *,
     return text
 
 
+def _of_seeds(runs: list, seeds: list[str]) -> list:
+    kept = [r for r in runs if str(r.config.get("seed")) in seeds]
+    if not kept:
+        found = sorted({str(r.config.get("seed")) for r in runs})
+        raise ReportError(f"no run has seed {', '.join(seeds)}; the runs' seeds are {', '.join(found) or 'none'}: "
+                          "pass some of those to --seeds, or leave --seeds out")
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fgrpo.report", description=__doc__.split("\n")[0])
     parser.add_argument("sweep_dir", type=Path, help="a sweep directory, e.g. outputs/multirun/<date>/<time>")
     parser.add_argument("--out", type=Path, default=None, help="where to write report.md and report.png")
     parser.add_argument("--significance-iterations", type=int, default=SIGNIFICANCE_ITERATIONS,
                         help="iterations of the paired subsampling test per compared row (the paper: 50000)")
+    parser.add_argument("--seeds", type=lambda text: [s.strip() for s in text.split(",") if s.strip()], default=None,
+                        help="report only the runs of these seeds, e.g. 0,1 (cells compared over the same seeds)")
     args = parser.parse_args(argv)
     if args.significance_iterations < 1:
         parser.error(f"--significance-iterations must be >= 1, got {args.significance_iterations}")
     try:
-        print(report(args.sweep_dir, args.out, significance_iterations=args.significance_iterations))
+        print(report(args.sweep_dir, args.out, significance_iterations=args.significance_iterations, seeds=args.seeds))
     except ReportError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

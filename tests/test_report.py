@@ -176,6 +176,20 @@ def test_no_runs_exit_2(tmp_path, capsys, what):
     assert err.startswith("error: ") and expected in err
 
 
+def test_seeds_flag_reports_only_those_seeds_and_names_the_seeds_there_are(tmp_path, capsys):
+    write_sweep(tmp_path)
+    assert main([str(tmp_path), "--seeds", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {key: tuple(str(cell).rstrip("*") for cell in row) for key, row in table_rows(out).items()}
+    assert rows[("grpo", 0.0)] == ("1", "30.0 +-  0.0", "70.0 +-  0.0")  # seed 1's values alone
+    assert rows[("cispo", 1.0)] == ("1", "50.0 +-  0.0", "70.0 +-  0.0")
+    assert "Seeds 1 only (4 runs of other seeds left out). 4 completed runs, 0 failed" in out
+    assert main([str(tmp_path), "--seeds", "0, 1"]) == 0 and "8 completed runs" in capsys.readouterr().out
+    assert main([str(tmp_path), "--seeds", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "no run has seed 5; the runs' seeds are 0, 1" in err
+
+
 def test_cli_exit_code_and_no_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "fgrpo.report", str(tmp_path)], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
