@@ -18,6 +18,16 @@ def _report_of(runs: Path, tmp_path) -> tuple[str, str]:
     return table, (tmp_path / "report.md").read_text()
 
 
+def _md_table(md: str) -> dict:
+    """The first table of report.md (rows algo x advantage x gamma): {(algo, advantage, gamma): the other cells}."""
+    rows = {}
+    for line in md.split("## Over seeds")[0].splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in ("grpo", "dapo", "cispo"):
+            rows[tuple(cells[:3])] = " ".join(" ".join(cells[3:]).replace("*", "").split())
+    return rows
+
+
 def test_arith_headroom_composes_to_its_documented_settings(compose):
     cfg = compose("experiment=arith_headroom", "focal.gamma=1.0", "seed=2")
     assert cfg.model.name == "smollm2_135m" and cfg.algo.name == "grpo" and cfg.dataset.kind == "arithmetic"
@@ -47,14 +57,38 @@ def test_arith_headroom_one_step_smoke_run_on_tiny_random(tmp_path):
 
 def test_the_committed_arith_headroom_runs_report_the_numbers_of_docs_results(tmp_path):
     """docs/results.md quotes the report over the runs kept in the repository; they must still report the same."""
-    table, md = _report_of(RESULTS / "runs", tmp_path)
-    assert "grpo  0      3       56.2 +-  5.2    77.2 +-  6.3   ref              ref" in table
-    assert "grpo  1      3       57.4 +-  4.2*   83.3 +-  6.0*  +1.2 (p=0.0034)  +3.0 (p=0.0002)" in table
-    assert "| grpo | 1 | 0, 1, 2 | 53.7, 62.0, 56.5 | +1.2 (p=0.7000) | 81.7, 78.3, 90.0 | +6.1 (p=0.5000) |" in md
-    assert "| grpo | 0 | 0 | 11.9 → 55.6 | 71.7 → 81.7 | 17 → 11 | +0.533 |" in md
-    assert "| grpo | 1 | 0 | — → 53.7 | — → 81.7 | — → 11 | +0.362 |" in md
-    assert "| grpo | 0 | 2 | — → 51.3 | — → 70.0 | — → 18 | +0.455 |" in md
-    assert "| grpo | 1 | 2 | — → 56.5 | — → 90.0 | — → 6 | +0.372 |" in md
+    _, md = _report_of(RESULTS / "runs", tmp_path)
+    rows = _md_table(md)
+    assert rows[("grpo", "focal", "0")] == "3 56.2 +- 5.2 77.2 +- 6.3 ref ref"
+    assert rows[("grpo", "focal", "1")] == "3 57.4 +- 4.2 83.3 +- 6.0 +1.2 (p=0.0034) +3.0 (p=0.0002)"
+    assert len(rows) == 7  # with the five other advantage methods, two seeds each
+    assert "| grpo | focal | 1 | 0, 1, 2 | 53.7, 62.0, 56.5 | +1.2 (p=0.7000) | 81.7, 78.3, 90.0 | +6.1 (p=0.5000) |" in md
+    assert "| grpo | focal | 0 | 0 | 11.9 → 55.6 | 71.7 → 81.7 | 17 → 11 | +0.533 |" in md
+    assert "| grpo | focal | 1 | 0 | — → 53.7 | — → 81.7 | — → 11 | +0.362 |" in md
+    assert "| grpo | focal | 0 | 2 | — → 51.3 | — → 70.0 | — → 18 | +0.455 |" in md
+    assert "| grpo | focal | 1 | 2 | — → 56.5 | — → 90.0 | — → 6 | +0.372 |" in md
+
+
+def test_the_advantage_methods_over_seeds_0_and_1_report_the_numbers_of_docs_results(tmp_path):
+    """docs/results.md, "Against its neighbours": the report over seeds 0 and 1 gives the quoted pooled differences."""
+    from fgrpo.report import report
+
+    report(RESULTS / "runs", tmp_path, seeds=["0", "1"])
+    md = (tmp_path / "report.md").read_text()
+    assert "Seeds 0, 1 only (2 runs of other seeds left out). 14 completed runs, 0 failed." in md
+    assert _md_table(md) == {
+        ("grpo", "focal", "0"): "2 58.6 +- 4.3 80.8 +- 1.2 ref ref",
+        ("grpo", "focal", "1"): "2 57.9 +- 5.8 80.0 +- 2.4 -0.8 (p=0.0796) +0.9 (p=0.3080)",
+        ("grpo", "dr_grpo", "0"): "2 54.0 +- 2.9 77.5 +- 8.2 -4.7 (p=0.0002) +0.6 (p=0.5209)",
+        ("grpo", "maxrl", "0"): "2 55.1 +- 2.1 80.8 +- 8.2 -3.5 (p=0.0002) +2.5 (p=0.0048)",
+        ("grpo", "passk k=4", "0"): "2 50.1 +- 0.4 83.3 +- 0.0 -8.5 (p=0.0002) +1.6 (p=0.0966)",
+        ("grpo", "unlikeliness beta=0.25", "0"): "2 53.7 +- 1.2 85.0 +- 4.7 -5.0 (p=0.0002) +4.0 (p=0.0008)",
+        ("grpo", "w_reinforce lam=0.1", "0"): "2 39.7 +- 3.4 82.5 +- 1.2 -18.9 (p=0.0002) -0.6 (p=0.5571)",
+    }
+    assert "| grpo | w_reinforce lam=0.1 | 0 | 0 | — → 37.4 | — → 83.3 | — → 10 | +0.138 |" in md
+    assert "| grpo | unlikeliness beta=0.25 | 0 | 0, 1 | 52.8, 54.5 | -5.0 (p=0.3333) | 88.3, 81.7 | +4.2 (p=0.6667) |" in md
+    assert (tmp_path / "report.md").read_text().replace(str(RESULTS / "runs"), "docs/results/arith_headroom/runs") \
+        == (RESULTS / "advantage_methods" / "report.md").read_text()  # the committed report is this one
 
 
 def test_on_policy_dapo_is_grpo_step_for_step_as_docs_results_says():
