@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.significance_iterations < 1:
         parser.error(f"--significance-iterations must be >= 1, got {args.significance_iterations}")
+    if args.seeds == []:
+        parser.error("--seeds needs seeds, e.g. --seeds 0,1 (or leave it out for every seed)")
     try:
         print(report(args.sweep_dir, args.out, significance_iterations=args.significance_iterations, seeds=args.seeds))
     except ReportError as error:

@@ -188,6 +188,9 @@ def test_seeds_flag_reports_only_those_seeds_and_names_the_seeds_there_are(tmp_p
     assert main([str(tmp_path), "--seeds", "5"]) == 2
     err = capsys.readouterr().err
     assert "no run has seed 5; the runs' seeds are 0, 1" in err
+    with pytest.raises(SystemExit):  # argparse's usage error, exit 2
+        main([str(tmp_path), "--seeds", ","])
+    assert "--seeds needs seeds" in capsys.readouterr().err
 
 
 def test_cli_exit_code_and_no_traceback(tmp_path):
