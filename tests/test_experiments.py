@@ -10,11 +10,11 @@ from test_run import run_cli
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "arith_headroom"  # committed in docs/results.md
 
 
-def _report_of(runs: Path, tmp_path) -> tuple[str, str]:
+def _report_of(runs: Path, tmp_path, **options) -> tuple[str, str]:
     """The report over committed runs: its printed table (the text before the first blank line) and report.md."""
     from fgrpo.report import report
 
-    table = report(runs, tmp_path).split("\n\n")[0]
+    table = report(runs, tmp_path, **options).split("\n\n")[0]
     return table, (tmp_path / "report.md").read_text()
 
 
@@ -71,10 +71,7 @@ def test_the_committed_arith_headroom_runs_report_the_numbers_of_docs_results(tm
 
 def test_the_advantage_methods_over_seeds_0_and_1_report_the_numbers_of_docs_results(tmp_path):
     """docs/results.md, "Against its neighbours": the report over seeds 0 and 1 gives the quoted pooled differences."""
-    from fgrpo.report import report
-
-    report(RESULTS / "runs", tmp_path, seeds=["0", "1"])
-    md = (tmp_path / "report.md").read_text()
+    _, md = _report_of(RESULTS / "runs", tmp_path, seeds=["0", "1"])
     assert "Seeds 0, 1 only (2 runs of other seeds left out). 14 completed runs, 0 failed." in md
     assert _md_table(md) == {
         ("grpo", "focal", "0"): "2 58.6 +- 4.3 80.8 +- 1.2 ref ref",
@@ -87,7 +84,7 @@ def test_the_advantage_methods_over_seeds_0_and_1_report_the_numbers_of_docs_res
     }
     assert "| grpo | w_reinforce lam=0.1 | 0 | 0 | — → 37.4 | — → 83.3 | — → 10 | +0.138 |" in md
     assert "| grpo | unlikeliness beta=0.25 | 0 | 0, 1 | 52.8, 54.5 | -5.0 (p=0.3333) | 88.3, 81.7 | +4.2 (p=0.6667) |" in md
-    assert (tmp_path / "report.md").read_text().replace(str(RESULTS / "runs"), "docs/results/arith_headroom/runs") \
+    assert md.replace(str(RESULTS / "runs"), "docs/results/arith_headroom/runs") \
         == (RESULTS / "advantage_methods" / "report.md").read_text()  # the committed report is this one
 
 
