@@ -113,12 +113,40 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count[:, None], index[:, None]
 
 
-@functools.cache
-def _compiled_flex():
+# widest row flex_attention may run uncompiled over: uncompiled it materialises the [R, H, W, W] scores (at 16,384
+# slots and 12 heads, 12 GiB in fp32) instead of running the fused kernel; wider is an error (EagerFlexAttention)
+EAGER_FLEX_MAX_SLOTS = 2048
+
+
+class EagerFlexAttention(RuntimeError):
+    """flex_attention reached uncompiled over a wide packed row (torch.compile fell back to eager)."""
+
+
+def _flex_refusing_eager(query, key, value, block_mask, scale: float):
+    """flex_attention, refusing to run over a row wider than :data:`EAGER_FLEX_MAX_SLOTS` outside torch.compile.
+
+    Compiled, the check is traced away (``is_compiling()`` is True while dynamo traces). Where dynamo gives up on
+    the call (its recompile limit hit, a graph break, ``TORCHDYNAMO_DISABLE=1``, the ``force_eager`` stance) it runs
+    this function as plain Python: flex_attention would then build the whole score matrix, out of memory at 16k
+    slots with no word of why."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    width = query.shape[-2]
+    if not torch.compiler.is_compiling() and width > EAGER_FLEX_MAX_SLOTS:
+        scores = query.shape[0] * query.shape[1] * width * width * 4
+        raise EagerFlexAttention(
+            f"flex attention ran uncompiled over a packed row of {width} slots (torch.compile fell back to eager: "
+            f"its recompile limit, a graph break, or TORCHDYNAMO_DISABLE); uncompiled it builds the full score matrix "
+            f"({scores / 2**30:.1f} GiB). Set hardware.micro_batch_tokens to at most {EAGER_FLEX_MAX_SLOTS}, or "
+            "hardware.attention=sdpa hardware.micro_batch_tokens=null hardware.share_prompts=false (padded "
+            "micro-batches), or find why torch.compile gave up (TORCH_LOGS=recompiles)")
+    return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+@functools.cache
+def _compiled_flex():
     # flex_attention is fast only compiled (a Triton kernel); dynamic: each micro-batch's row has its own width
-    return torch.compile(flex_attention, dynamic=True)
+    return torch.compile(_flex_refusing_eager, dynamic=True)
 
 
 def _flex(query, key, value, mask, scale: float):
@@ -131,7 +159,7 @@ def _flex(query, key, value, mask, scale: float):
         query, key, value = query.detach(), key.detach(), value.detach()
     if torch.compiler.is_compiling() or query.device.type != "cuda":  # in a compiled layer: traced into its graph
         return flex_attention(query, key, value, block_mask=mask, scale=scale, enable_gqa=True)
-    return _compiled_flex()(query, key, value, block_mask=mask, scale=scale, enable_gqa=True)
+    return _compiled_flex()(query, key, value, mask, scale)
 
 
 def _dense_reference(query, key, value, mask, scale: float):

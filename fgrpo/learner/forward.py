@@ -48,8 +48,8 @@ def completion_logprobs(
     that dtype over fp32 weights; the log-softmax is always fp32.
 
     ``fused_head`` computes the LM head and log-softmax in chunks (fgrpo.learner.logprobs.token_logprobs),
-    without a ``[N, vocab]`` tensor in the graph; an entropy with a gradient (``entropy_grad``) takes
-    the straightforward path, which is also the reference the fused one is tested against.
+    without a ``[N, vocab]`` tensor in the graph, the entropy's gradient included (``entropy_grad``); False: the
+    straightforward path through full logits, the reference the fused one is tested against.
 
     ``rows`` (indices into ``seqs``, e.g. from :func:`fgrpo.learner.packing.pack_rows`) packs several sequences into each
     row; None: one right-padded sequence per row. Either way positions restart at each sequence (and
@@ -68,7 +68,7 @@ def completion_logprobs(
                           width_multiple=row_multiple(model))
     targets = torch.tensor([t for s in seqs for t in s.completion_ids], dtype=torch.long, device=device)
     head = model.get_output_embeddings()
-    fused = fused_head and not (with_entropy and entropy_grad) and getattr(head, "bias", None) is None
+    fused = fused_head and getattr(head, "bias", None) is None
     # through the FSDP2 root when the learner is sharded
     sharded_root = model.__dict__.get(SHARDED_PASS)
     model_pass = sharded_root or functools.partial(_logprobs_pass, model)
@@ -113,7 +113,8 @@ def _logprobs_pass(model, input_ids, position_ids, predict_at, targets, attentio
         if autocast_dtype is not None:
             selected_hidden = selected_hidden.to(autocast_dtype)
         return token_logprobs(selected_hidden, head.weight, targets, temperature=temperature,
-                              compiled=getattr(head, "compiled_log_softmax", False))
+                              compiled=getattr(head, "compiled_log_softmax", False),
+                              entropy_grad=with_entropy and entropy_grad and torch.is_grad_enabled())
     return _plain_head_logprobs(logits, targets, temperature, with_entropy, entropy_grad)
 
 

@@ -4,7 +4,10 @@ Per GPU, for a learner of P parameters sharded over N ranks (FSDP2, fgrpo.learne
 gradients and two AdamW moments, each in ``hardware.learner_dtype`` (fp32: 16 bytes per parameter in all), and of
 the frozen reference model where the KL term needs one, none of them on the GPU with ``hardware.cpu_offload``; the
 root unit (embedding, final norm, LM head) and two decoder layers gathered whole in the compute dtype (the layer
-computing and the one prefetched); and the activations of one micro-batch. vLLM takes
+computing and the one prefetched); and the activations of one micro-batch, whose residual stream (the checkpointed
+layer inputs) is in the weights' dtype in one process (autocast computes the matmuls in bf16 but adds their outputs
+into the fp32 stream) and in the compute dtype when FSDP2's mixed-precision policy casts the weights; plus the LM
+head's logits blocks (fgrpo.learner.logprobs.CHUNK_BYTES). vLLM takes
 ``hardware.sampler_gpu_memory_utilization`` of each card. The activation term is a rough rule (below): the check
 refuses a launch whose state alone cannot fit, and warns where the activations may tip it over.
 """
@@ -21,6 +24,18 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # bytes of activations per token and hidden unit of one decoder layer in bf16 during its backward (attention and MLP
 # inputs, projections, SiLU; Korthikanti et al. 2022 count 34 without the attention scores, which SDPA does not keep)
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER = 34
+# of those, the residual stream's: the two norms' inputs (2 bytes each in bf16), 2 bytes more each in an fp32 stream
+NORM_INPUTS_PER_LAYER = 2
+# the LM head's blocks (fgrpo.learner.logprobs): a [rows, vocab] fp32 logits block of CHUNK_BYTES["cuda"] and one
+# more of its elementwise pass (eager) or gradient
+LOGITS_BLOCKS = 2
+
+
+def residual_dtype(*, weight_dtype: str, compute_dtype: str, sharded: bool) -> str:
+    """The dtype of the hidden states between decoder layers (what gradient checkpointing keeps per layer): FSDP2's
+    mixed-precision policy hands the layers weights in the compute dtype, so the stream is in it; in one process
+    autocast runs the matmuls in the compute dtype and adds their outputs into the weights' dtype (fp32)."""
+    return compute_dtype if sharded else weight_dtype
 
 
 @dataclass(frozen=True)
@@ -32,7 +47,7 @@ class LearnerMemory:
     moments: float
     reference: float  # the frozen reference model (KL term), sharded as the policy
     gathered: float  # the root unit and two decoder layers, whole, in the compute dtype
-    activations: float
+    activations: float  # the decoder layers' and the LM head's, for one micro-batch
 
     @property
     def state(self) -> float:
@@ -50,14 +65,20 @@ class LearnerMemory:
 
 def learner_memory(*, params: int, layer_params: int, root_params: int, hidden: int, layers: int,
                    weight_dtype: str, compute_dtype: str, world: int, sharded: bool, cpu_offload: bool,
-                   checkpointing: bool, micro_batch_tokens: int, reference: bool = False) -> LearnerMemory:
+                   checkpointing: bool, micro_batch_tokens: int, reference: bool = False,
+                   logits_block_bytes: int = 2**30) -> LearnerMemory:
     """The estimate of this module's docstring, in bytes per GPU. ``sharded``: FSDP2 (several ranks, or
-    ``hardware.fsdp``); ``cpu_offload`` counts only when sharded."""
+    ``hardware.fsdp``); ``cpu_offload`` counts only when sharded. ``logits_block_bytes``: the LM head's block
+    (fgrpo.learner.logprobs.CHUNK_BYTES for the device)."""
     offloaded = cpu_offload and sharded
     state = 0 if offloaded else params * BYTES[weight_dtype] / world
-    per_layer = ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER * micro_batch_tokens * hidden
-    # checkpointed: each layer keeps its input (2 bytes per hidden unit) and one layer at a time recomputes the rest
-    activations = (micro_batch_tokens * hidden * 2 * layers + per_layer) if checkpointing else per_layer * layers
+    residual = BYTES[residual_dtype(weight_dtype=weight_dtype, compute_dtype=compute_dtype, sharded=sharded)]
+    per_token_hidden = ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER + NORM_INPUTS_PER_LAYER * (residual - 2)
+    per_layer = per_token_hidden * micro_batch_tokens * hidden
+    # checkpointed: each layer keeps its input (the residual stream's bytes per hidden unit) and one layer at a time
+    # recomputes the rest
+    body = (micro_batch_tokens * hidden * residual * layers + per_layer) if checkpointing else per_layer * layers
+    activations = body + LOGITS_BLOCKS * logits_block_bytes
     return LearnerMemory(weights=state, gradients=state, moments=2 * state, reference=state if reference else 0.0,
                          gathered=(2 * layer_params + root_params) * BYTES[compute_dtype] if sharded else 0.0,
                          activations=activations)

@@ -12,8 +12,9 @@ exact one of ``log_softmax(h @ W.T / T)[target]``:
 
     d logp / d logits = (onehot(target) - softmax(logits)) / T
 
-The entropy of each position's distribution comes out of the same pass as a metric (no gradient;
-use the straightforward path in fgrpo.learner.learner when ``algo.entropy_coef > 0``).
+The entropy of each position's distribution comes out of the same pass, as a metric or, with ``entropy_grad``
+(``algo.entropy_coef > 0``), with its gradient, also recomputed slice by slice in the backward
+(``d H / d z_v = -p_v (log p_v + H)``, z the tempered logits): no ``[N, vocab]`` tensor either way.
 
 Each block's elementwise work (log-normaliser, gathered log-prob and entropy in the forward; the
 logits' gradient in the backward) is a pure function, run eager or, with ``compiled=True``, as one
@@ -77,14 +78,30 @@ def logits_grad(
     return grad.mul_((grad_logp * inv_temperature)[:, None]).to(logits.dtype)
 
 
+def logits_grad_with_entropy(
+    logits: torch.Tensor, log_norm: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor,
+    grad_entropy: torch.Tensor, local_targets: torch.Tensor, inv_temperature: float,
+) -> torch.Tensor:
+    """:func:`logits_grad` plus the entropy's part, ``grad_entropy [n]`` times ``d H / d logits``.
+
+    With ``log p = z - log_norm`` (z the scaled logits) and ``H = -sum_v p_v log p_v`` (``entropy [n]``, the
+    forward's): ``d H / d z_v = -p_v (log p_v + H)``, so ``d loss / d z = g_logp (onehot - p) - g_H p (log p + H)``.
+    """
+    log_p = (logits.to(at_least_fp32(logits.dtype)) * inv_temperature).sub_(log_norm[:, None])
+    p = log_p.exp()
+    grad = log_p.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(grad_logp[:, None]).mul_(p).neg_()
+    grad += (torch.arange(logits.shape[1], device=logits.device)[None, :] == local_targets[:, None]) * grad_logp[:, None]
+    return grad.mul_(inv_temperature).to(logits.dtype)
+
+
 @functools.cache
 def _kernels(compiled: bool):
-    """The two elementwise passes, eager or through torch.compile. Compiled, each is one fused kernel that
-    reads the bf16 block once (eager: an fp32 copy, then about eight passes over it; on 2 CPU cores that was
-    0.3 s of a 2.0 s LM-head forward and backward at 2400 tokens)."""
+    """The elementwise passes (forward; backward without and with the entropy's gradient), eager or through
+    torch.compile. Compiled, each is one fused kernel that reads the bf16 block once (eager: an fp32 copy, then about
+    eight passes over it; on 2 CPU cores that was 0.3 s of a 2.0 s LM-head forward and backward at 2400 tokens)."""
     if not compiled:
-        return log_softmax_stats, logits_grad
-    return torch.compile(log_softmax_stats), torch.compile(logits_grad)
+        return log_softmax_stats, logits_grad, logits_grad_with_entropy
+    return torch.compile(log_softmax_stats), torch.compile(logits_grad), torch.compile(logits_grad_with_entropy)
 
 
 def _dynamic_rows(*tensors: torch.Tensor) -> None:
@@ -97,12 +114,13 @@ class _TokenLogProbs(torch.autograd.Function):
     """Forward in row chunks; backward in vocabulary slices, so each slice of the weight's gradient is
     written once (row chunks would add a ``[V, H]`` product into it once per chunk: on the CPU that
     accumulation and its dtype casts took 16% of a learner step). ``weight`` keeps its own dtype (fp32
-    under autocast) and is cast to ``hidden``'s slice by slice; its gradient comes back in its dtype."""
+    under autocast) and is cast to ``hidden``'s slice by slice; its gradient comes back in its dtype.
+    ``entropy_grad``: the entropy has a gradient too (else it is a metric, marked non-differentiable)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_rows, compiled):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_rows, compiled, entropy_grad):
         n = hidden.shape[0]
-        stats, _ = _kernels(compiled)
+        stats = _kernels(compiled)[0]
         stats_dtype = at_least_fp32(hidden.dtype)
         logp = torch.empty(n, dtype=stats_dtype, device=hidden.device)
         entropy = torch.empty(n, dtype=stats_dtype, device=hidden.device)
@@ -113,20 +131,25 @@ class _TokenLogProbs(torch.autograd.Function):
             logits, chunk_targets = _chunk_logits(hidden[rows], compute_weight), targets[rows]
             _dynamic_rows(logits, chunk_targets)
             log_norm[rows], logp[rows], entropy[rows] = stats(logits, chunk_targets, 1.0 / temperature)
-        ctx.save_for_backward(hidden, weight, targets, log_norm)
+        ctx.save_for_backward(hidden, weight, targets, log_norm, entropy if entropy_grad else None)
         ctx.temperature, ctx.chunk_rows, ctx.compiled = temperature, chunk_rows, compiled
-        ctx.mark_non_differentiable(entropy)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not a zero tensor
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, targets, log_norm = ctx.saved_tensors
-        _, grad_of_logits = _kernels(ctx.compiled)
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, log_norm, entropy = ctx.saved_tensors
+        _, grad_of_logits, grad_with_entropy = _kernels(ctx.compiled)
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n, vocab = hidden.shape[0], weight.shape[0]
         # as many vocabulary columns per slice as the forward's row chunk has elements: the same memory bound
         cols = max(1, ctx.chunk_rows * vocab // max(n, 1))
-        g = grad_logp.to(at_least_fp32(grad_logp.dtype))
+        stats_dtype = at_least_fp32(hidden.dtype)
+        g = (torch.zeros(n, dtype=stats_dtype, device=hidden.device) if grad_logp is None
+             else grad_logp.to(stats_dtype))
+        g_entropy = None if grad_entropy is None or entropy is None else grad_entropy.to(stats_dtype)
         grad_hidden = torch.zeros(hidden.shape, dtype=at_least_fp32(hidden.dtype), device=hidden.device) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None
         for start in range(0, vocab, cols):
@@ -135,14 +158,19 @@ class _TokenLogProbs(torch.autograd.Function):
             logits, local_targets = _chunk_logits(hidden, compute_weight), targets - start  # [N, slice]
             _dynamic_rows(logits, log_norm, g, local_targets)
             torch._dynamo.maybe_mark_dynamic(logits, 1)  # the last slice is narrower
-            grad_logits = grad_of_logits(logits, log_norm, g, local_targets, 1.0 / ctx.temperature)
+            if g_entropy is None:
+                grad_logits = grad_of_logits(logits, log_norm, g, local_targets, 1.0 / ctx.temperature)
+            else:
+                _dynamic_rows(entropy, g_entropy)
+                grad_logits = grad_with_entropy(logits, log_norm, entropy, g, g_entropy, local_targets,
+                                                1.0 / ctx.temperature)
             if need_hidden:
                 grad_hidden += grad_logits @ compute_weight
             if need_weight:
                 grad_weight[start:stop] = grad_logits.t() @ hidden  # each slice written once
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def token_logprobs(
@@ -153,12 +181,14 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_rows: int | None = None,
     compiled: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logp [N], entropy [N])`` of ``targets [N]`` under ``softmax(hidden [N, H] @ weight [V, H].T / T)``.
 
     The matmuls run in ``hidden``'s dtype (``weight`` is cast to it inside); the log-softmax, the
     returned log-probs and entropies and the hidden states' gradient sum are fp32. ``logp`` has a
-    gradient with respect to ``hidden`` and ``weight``; ``entropy`` is a metric without one.
+    gradient with respect to ``hidden`` and ``weight``; ``entropy`` is a metric without one unless ``entropy_grad``
+    (an entropy bonus in the loss), computed in the same vocabulary slices as the log-probs' gradient.
     ``chunk_rows`` defaults to :func:`default_chunk_rows` for the vocabulary and device. ``compiled``: the
     elementwise passes over each logits block go through ``torch.compile`` (one fused kernel each; on the CPU
     that needs a C++ compiler, as the compiled decoder layers do).
@@ -171,4 +201,5 @@ def token_logprobs(
         chunk_rows = default_chunk_rows(weight.shape[0], hidden.device)
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    return _TokenLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk_rows), bool(compiled))
+    return _TokenLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk_rows), bool(compiled),
+                                bool(entropy_grad))

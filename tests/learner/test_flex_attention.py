@@ -200,3 +200,23 @@ def test_an_offloaded_learner_computes_on_its_meshs_device():
     assert compute_device(model) == torch.device("cpu")
     model.weight.device_mesh = SimpleNamespace(device_type="meta")  # offloaded: the mesh's device (meta: CPU-testable)
     assert compute_device(model) == torch.device("meta")
+
+
+def test_flex_attention_falling_back_to_eager_on_a_wide_row_is_an_error_naming_the_setting():
+    """Where torch.compile gives up on flex_attention it runs it as plain Python, which builds the whole [W, W]
+    score matrix: on a wide row that is an error naming hardware.micro_batch_tokens, not a silent out-of-memory.
+    The ``force_eager`` stance is dynamo giving up on every call, as its recompile limit or a graph break does."""
+    from fgrpo.learner.flex_attention import EAGER_FLEX_MAX_SLOTS, EagerFlexAttention, _compiled_flex
+
+    width = 2 * EAGER_FLEX_MAX_SLOTS
+    labels = torch.stack([torch.arange(width) // 256, torch.full((width,), -1)])[None].to(torch.int32)
+    q, k, v = (torch.randn(1, h, width, 16) for h in (4, 2, 2))
+    with torch.compiler.set_stance("force_eager"), pytest.raises(
+            EagerFlexAttention, match=r"uncompiled over a packed row of 4096 slots.*hardware.micro_batch_tokens"):
+        _compiled_flex()(q, k, v, block_mask(labels), 0.25)
+    # a row within the bound runs uncompiled (the CPU's forward): what the tests above compare
+    narrow = labels[..., :EAGER_FLEX_MAX_SLOTS]
+    with torch.compiler.set_stance("force_eager"):
+        out = _compiled_flex()(q[:, :, :EAGER_FLEX_MAX_SLOTS], k[:, :, :EAGER_FLEX_MAX_SLOTS],
+                               v[:, :, :EAGER_FLEX_MAX_SLOTS], block_mask(narrow), 0.25)
+    assert out.shape == (1, 4, EAGER_FLEX_MAX_SLOTS, 16) and torch.isfinite(out).all()

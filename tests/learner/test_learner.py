@@ -95,6 +95,16 @@ def test_entropy_bonus_takes_the_path_with_an_entropy_gradient(tiny_model):
     assert any(not torch.allclose(bonus[n], no_bonus[n]) for n in bonus)
 
 
+@pytest.mark.parametrize("autocast_dtype, loss_atol, grad_rel", [(None, 1e-6, 1e-5), (torch.bfloat16, 1e-3, 0.02)])
+def test_entropy_bonus_through_the_fused_head_gives_the_full_logits_update(tiny_model, autocast_dtype, loss_atol,
+                                                                           grad_rel):
+    model, seqs = copy.deepcopy(tiny_model), make_seqs(seed=8, count=9)
+    with_bonus = dataclasses.replace(algo("dapo"), entropy_coef=0.5)
+    fused = update_grads(model, seqs, loss_settings=with_bonus, autocast_dtype=autocast_dtype, fused_head=True)
+    plain = update_grads(model, seqs, loss_settings=with_bonus, autocast_dtype=autocast_dtype, fused_head=False)
+    assert_same_update(fused, plain, loss_atol=loss_atol, grad_rel=grad_rel)
+
+
 def test_eager_attention_gives_the_sdpa_gradients(tiny_model):
     seqs = make_seqs(seed=7, count=8)
     sdpa = copy.deepcopy(tiny_model)
