@@ -116,6 +116,9 @@ class HardwareConfig:
     # with micro_batch_tokens: a prompt's samples may follow one copy of it in a row (its G copies computed once)
     share_prompts: bool = False
     threads: int = 0  # torch threads on CPU; 0 = all cores
+    # deterministic kernels (fgrpo.infra.determinism): torch.use_deterministic_algorithms, cuBLAS's fixed workspace,
+    # inductor without autotuning; with sampler=hf a run killed and resumed gives the uninterrupted run's weights
+    deterministic: bool = False
     # the learner's attention kernel: sdpa | eager (faster for short sequences on CPU) | segments (eager over
     # each prompt and completion's own keys in packed rows: fgrpo.learner.segment_attention) | flex (torch's flex_attention
     # over packed rows with a prompt/completion block mask, CUDA only: fgrpo.learner.flex_attention)

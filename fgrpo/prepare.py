@@ -26,6 +26,7 @@ from fgrpo.config import to_container, validate, validate_layout
 from fgrpo.evaluation.rare_set import RareSet, check_vocabulary, load_rare_set
 from fgrpo.infra import distributed
 from fgrpo.infra.checkpoint import Resumed
+from fgrpo.infra.determinism import check_deterministic_settings, make_deterministic
 from fgrpo.infra.distributed import SINGLE, Ranks
 from fgrpo.infra.errors import ConfigError
 from fgrpo.infra.precision import Precision, resolve_precision
@@ -74,6 +75,8 @@ def prepare(cfg: DictConfig, ranks: Ranks = SINGLE, *, saved_config: Path | None
     data, verifier = distributed.agree(lambda: check_inputs(cfg, ranks.world, training=training, check_data=check_data))
     folder = distributed.agree(lambda: _weights_folder(cfg, ranks.world, training, model_folder))
     hw = cfg.hardware
+    if hw.deterministic:  # before the first matmul (cuBLAS reads its workspace setting at start) and any compile
+        make_deterministic()
     if hw.device == "cpu":
         keep_freed_memory()
         bound_kernel_caches()  # before the first matmul (the precision probe, vLLM's start-up)
@@ -112,6 +115,7 @@ def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
     """The config's ranges (and, training, its fit to ``world`` processes), the data files, the verifier, the sampler's
     package and the device (and, training, the compiler of compiled layers)."""
     validate(cfg)
+    check_deterministic_settings(cfg)
     if training:
         validate_layout(cfg, world)
         warn_if_same_as_grpo(cfg)

@@ -26,6 +26,7 @@ from fgrpo.evaluation.plots import plot_pass_at_k
 from fgrpo.evaluation.rare_set import score as rare_set_score
 from fgrpo.infra import distributed
 from fgrpo.infra.checkpoint import Resumed, restore_rng
+from fgrpo.infra.determinism import naming_nondeterministic_ops
 from fgrpo.infra.distributed import SINGLE, Ranks
 from fgrpo.infra.run_files import COUNTS_FILE, FINAL_MODEL, PASS_AT_K_PLOT, supersede_rows_after
 from fgrpo.infra.stop import STOP_MARGIN_S, StopSignals
@@ -68,7 +69,7 @@ def train(
 
     stopped_at = None
     with make_tracker(cfg, run_dir, run_name, overrides, run.precision, ranks, resumed) as tracker, \
-            StopSignals(cfg.hardware.slurm_signal_delay_s - STOP_MARGIN_S) as signals:
+            StopSignals(cfg.hardware.slurm_signal_delay_s - STOP_MARGIN_S) as signals, naming_nondeterministic_ops():
         history, first_step = start_history(cfg, run_dir, resumed, evaluate_now, tracker, ranks)
         checkpoints.restart_clock()
         progress = tqdm(range(first_step, cfg.trainer.steps + 1), desc="training", unit="step", dynamic_ncols=True,

@@ -143,6 +143,17 @@ def test_a_run_killed_in_step_4_and_run_again_ends_bitwise_as_one_never_stopped(
     assert min(row["_step"] for row in resumed.history) == 3 and resumed.exit_code == 0
 
 
+def test_a_deterministic_run_killed_and_resumed_ends_bitwise_as_the_default_one_never_stopped(uninterrupted, tmp_path):
+    """hardware.deterministic=true (torch's deterministic algorithms, inductor without timing) on the CPU: the flags
+    change no kernel here, so the killed and resumed run ends with the default uninterrupted run's bits."""
+    run_dir = tmp_path / "run"
+    kill_during_step(run_dir, 4, "hardware.deterministic=true")
+    done = run(run_dir, "hardware.deterministic=true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in run_log(run_dir)
+    assert_same_weights(final_weights(run_dir), final_weights(uninterrupted))
+
+
 def test_two_ranks_resume_bitwise_and_their_checkpoint_loads_in_one_process(tmp_path):
     two = ["hardware.compile_learner=false", "hardware.sampler_kv_cache_gib=0.125"]  # compiling under FSDP: minutes
     reference = tmp_path / "uninterrupted"

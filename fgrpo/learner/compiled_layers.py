@@ -4,6 +4,7 @@ their matmul outputs for the backward and recompute only the cheap rest (norms, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -76,11 +77,29 @@ def _quiet_context_fn_warning(record: logging.LogRecord) -> bool:
 
 
 def _compiled_call(layer, compiled, compiled_keeping_matmuls, eager, *args, **kwargs):
-    if eager is not None and not torch.is_grad_enabled():
+    if eager is not None and not torch.is_grad_enabled() and not getattr(layer, "compiled_without_grad", False):
         return eager(*args, **kwargs)
     if compiled_keeping_matmuls is not None and getattr(layer, "keeps_matmul_outputs", False):
         return compiled_keeping_matmuls(*args, **kwargs)
     return compiled(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def compiled_without_grad(model):
+    """Inside: layers compiled for the learner only (``grad_only``, sampler=hf) run compiled where autograd does not
+    record too. The old log-probs of off-policy mini-batches (fgrpo.learner.learner.fill_old_logprobs) then come from
+    the kernels the update's forward runs, not eager ones: eager and compiled bf16 layers round differently, and the
+    first mini-batch's ratio pi / pi_old would start off 1 (tests/learner/test_compiled_layers.py measures both). Its
+    first use compiles the layers' no-grad graph (one more compile)."""
+    layers = getattr(model.base_model, "layers", None)
+    layers = list(layers) if isinstance(layers, torch.nn.ModuleList) else []
+    for layer in layers:
+        layer.compiled_without_grad = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.compiled_without_grad = False
 
 
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)

@@ -23,6 +23,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from fgrpo.infra.errors import ConfigError
+
 FLEX_ATTENTION = "fgrpo_flex"
 # architectures whose attention is transformers' sdpa one (the fallback here) plus at most q/k norms
 FLEX_ATTENTION_MODELS = ("llama", "qwen2", "qwen3")
@@ -118,8 +120,9 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 EAGER_FLEX_MAX_SLOTS = 2048
 
 
-class EagerFlexAttention(RuntimeError):
-    """flex_attention reached uncompiled over a wide packed row (torch.compile fell back to eager)."""
+class EagerFlexAttention(ConfigError):
+    """flex_attention reached uncompiled over a wide packed row (torch.compile fell back to eager); names the
+    settings, printed without a traceback (fgrpo.infra.errors.BAD_INPUT)."""
 
 
 def _flex_refusing_eager(query, key, value, block_mask, scale: float):

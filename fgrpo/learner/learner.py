@@ -17,8 +17,10 @@ import numpy as np
 import torch
 
 from fgrpo.infra import distributed
-from fgrpo.learner.compiled_layers import compile_decoder_layers, keep_matmul_outputs, matmul_output_bytes
-from fgrpo.learner.forward import PolicyPass, attention_width_cost, completion_logprobs, packs_one_row, row_multiple
+from fgrpo.learner.compiled_layers import (compile_decoder_layers, compiled_without_grad, keep_matmul_outputs,
+                                           matmul_output_bytes)
+from fgrpo.learner.forward import (SHARDED_PASS, PolicyPass, attention_width_cost, completion_logprobs, packs_one_row,
+                                   row_multiple)
 from fgrpo.algorithm.losses import LossSettings, policy_loss
 from fgrpo.learner.packing import MicroBatch, Sequence, micro_batches
 from fgrpo.infra.process_memory import release_freed_memory
@@ -208,24 +210,40 @@ def matched_micro_batches(model, seqs: list[Sequence], *, pad_id: int, micro_bat
 TOKEN_WEIGHTED_METRICS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "kl_ref")
 
 
-@torch.no_grad()
 def fill_old_logprobs(
     model, seqs: list[Sequence], *, pad_id: int, temperature: float, micro_batch_size: int,
     micro_batch_tokens: int | None = None, autocast_dtype: torch.dtype | None = None, share_prompts: bool = False,
 ) -> None:
-    """Record each sequence's log-probs under the current (sampling) policy, for off-policy mini-batches."""
+    """Record each sequence's log-probs under the current (sampling) policy, for off-policy mini-batches.
+
+    Through the kernels of the update's own forward, so that the first mini-batch's ratio pi / pi_old is 1 up to
+    the rounding of another micro-batch layout (tests/learner/test_compiled_layers.py): in one process the forward
+    runs as the update's does, autograd recording (the same compiled graph, checkpointed: little kept) and the graph
+    dropped at once. A sharded policy (FSDP2 expects a backward after a recording forward) and a model with dropout
+    (it must be off here) run without autograd, their compiled layers included (:func:`compiled_without_grad`:
+    another graph of the same layers, which may round differently)."""
+    recording = not (SHARDED_PASS in vars(model) or has_dropout(model))
     was_training = model.training
-    model.eval()
+    if not recording:
+        model.eval()
     micros, real = matched_micro_batches(model, seqs, pad_id=pad_id, micro_batch_size=micro_batch_size,
                                          micro_batch_tokens=micro_batch_tokens, share_prompts=share_prompts)
-    for index, micro in enumerate(micros):
-        logp, mask, _ = completion_logprobs(
-            model, micro.seqs, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype, rows=micro.rows,
-            share_prompts=micro.share_prompts,
-        )
-        for row, seq in enumerate(micro.seqs if index < real else []):
-            seq.old_logp = logp[row, : len(seq.completion_ids)].detach().clone()
+    with torch.set_grad_enabled(recording), compiled_without_grad(model):
+        for index, micro in enumerate(micros):
+            logp, _, _ = completion_logprobs(
+                model, micro.seqs, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype,
+                rows=micro.rows, share_prompts=micro.share_prompts)
+            logp = logp.detach()  # the graph goes with it
+            for row, seq in enumerate(micro.seqs if index < real else []):
+                seq.old_logp = logp[row, : len(seq.completion_ids)].clone()
     model.train(was_training)
+
+
+def has_dropout(model) -> bool:
+    """Whether ``model``'s config turns on any dropout (attention, hidden, residual ...; LLM policies have none)."""
+    config = getattr(model, "config", None)
+    return any(isinstance(value, float) and value > 0 for key, value in vars(config or object()).items()
+               if "dropout" in key)
 
 
 def update_policy(
