@@ -133,6 +133,10 @@ class HardwareConfig:
     # a sharded learner's parameters, gradients and AdamW state in CPU memory between uses (FSDP2's
     # CPUOffloadPolicy): a big model on few GPUs, slower; GPU only
     cpu_offload: bool = False
+    # a sharded learner reduce-scatters its gradients once per optimizer step, after the last micro-batch, instead of
+    # after each (fewer, larger collectives); each rank holds the unsharded fp32 gradients until then (4 bytes per
+    # parameter: 28 GiB for a 7B model), which the GPU memory check counts and refuses where they cannot fit
+    sync_grads_once: bool = False
     # with gradient_checkpointing and compile_learner: per micro-batch, up to this much memory keeps layers' matmul
     # outputs, so that their backward recomputes only the cheap rest (norms, attention scores, SiLU); 0: none kept;
     # auto: 0.3 GiB of bf16 outputs or 0.6 of fp32 ones (the same layers), 0 without checkpointed compiled layers

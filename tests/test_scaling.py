@@ -127,5 +127,9 @@ def test_a_learner_too_big_for_its_gpus_is_refused_before_loading(compose, tmp_p
                                           r".*launch 8 or more GPUs.*hardware.cpu_offload=true with hardware.fsdp"):
         check_learner_fits_gpus(folder, cfg, 1)
     check_learner_fits_gpus(folder, cfg, 8)  # fits beside vLLM's half of the card
+    # reducing the gradients once per step holds them whole (28 GiB in fp32) on each of the 8: no longer fits
+    with pytest.raises(ConfigError, match=r"with 8 processes .*Options: hardware.sync_grads_once=false \(it holds "
+                                          r"the whole fp32 gradients on each GPU, 28.4 GiB"):
+        check_learner_fits_gpus(folder, compose("experiment=paper_grpo", "hardware.sync_grads_once=true"), 8)
     check_learner_fits_gpus(folder, compose("experiment=paper_grpo", "hardware.cpu_offload=true",
                                             "hardware.fsdp=true"), 1)

@@ -66,12 +66,14 @@ class LearnerMemory:
 def learner_memory(*, params: int, layer_params: int, root_params: int, hidden: int, layers: int,
                    weight_dtype: str, compute_dtype: str, world: int, sharded: bool, cpu_offload: bool,
                    checkpointing: bool, micro_batch_tokens: int, reference: bool = False,
-                   logits_block_bytes: int = 2**30) -> LearnerMemory:
+                   logits_block_bytes: int = 2**30, unsharded_gradients: bool = False) -> LearnerMemory:
     """The estimate of this module's docstring, in bytes per GPU. ``sharded``: FSDP2 (several ranks, or
     ``hardware.fsdp``); ``cpu_offload`` counts only when sharded. ``logits_block_bytes``: the LM head's block
-    (fgrpo.learner.logprobs.CHUNK_BYTES for the device)."""
+    (fgrpo.learner.logprobs.CHUNK_BYTES for the device). ``unsharded_gradients`` (``hardware.sync_grads_once``,
+    sharded): each rank accumulates whole fp32 gradients on its GPU until the step's last micro-batch reduces them."""
     offloaded = cpu_offload and sharded
     state = 0 if offloaded else params * BYTES[weight_dtype] / world
+    gradients = params * BYTES["float32"] if unsharded_gradients and sharded else state
     residual = BYTES[residual_dtype(weight_dtype=weight_dtype, compute_dtype=compute_dtype, sharded=sharded)]
     per_token_hidden = ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER + NORM_INPUTS_PER_LAYER * (residual - 2)
     per_layer = per_token_hidden * micro_batch_tokens * hidden
@@ -79,7 +81,7 @@ def learner_memory(*, params: int, layer_params: int, root_params: int, hidden: 
     # recomputes the rest
     body = (micro_batch_tokens * hidden * residual * layers + per_layer) if checkpointing else per_layer * layers
     activations = body + LOGITS_BLOCKS * logits_block_bytes
-    return LearnerMemory(weights=state, gradients=state, moments=2 * state, reference=state if reference else 0.0,
+    return LearnerMemory(weights=state, gradients=gradients, moments=2 * state, reference=state if reference else 0.0,
                          gathered=(2 * layer_params + root_params) * BYTES[compute_dtype] if sharded else 0.0,
                          activations=activations)
 
@@ -117,7 +119,7 @@ def check_learner_fits_gpus(folder: Path, cfg, world: int) -> None:
         return learner_memory(**shape, weight_dtype=hw.learner_dtype, compute_dtype=compute, world=ranks,
                               sharded=sharded or ranks > 1, cpu_offload=hw.cpu_offload,
                               checkpointing=hw.gradient_checkpointing, micro_batch_tokens=tokens,
-                              reference=cfg.algo.kl_coef > 0)
+                              reference=cfg.algo.kl_coef > 0, unsharded_gradients=hw.sync_grads_once)
 
     card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     vllm_share = hw.sampler_gpu_memory_utilization if sampler.name == "vllm" else 0.0
@@ -137,6 +139,9 @@ def check_learner_fits_gpus(folder: Path, cfg, world: int) -> None:
     options.append("smaller micro-batches (hardware.micro_batch_tokens or micro_batch_size)")
     if not hw.gradient_checkpointing:
         options.append("hardware.gradient_checkpointing=true")
+    if hw.sync_grads_once and sharded:
+        options.insert(0, f"hardware.sync_grads_once=false (it holds the whole fp32 gradients on each GPU, "
+                          f"{estimate.gradients / GIB:.1f} GiB, until a step's last micro-batch)")
     if estimate.state > available:
         raise ConfigError(f"{what}. Options: {'; '.join(options)}")
     if estimate.total > available:

@@ -44,6 +44,7 @@ class LearnerSettings:
     gradient_checkpointing: bool
     fsdp: bool  # shard with FSDP2 in one process too (several processes always shard)
     cpu_offload: bool  # sharded on GPUs: parameters, gradients and optimizer state in CPU memory (FSDP2's offload)
+    sync_grads_once: bool  # sharded: reduce-scatter the gradients after a step's last micro-batch only
     kept_matmul_gib: float  # per micro-batch, for layers that keep their matmul outputs (needs both above)
     micro_batch_size: int  # sequences per padded micro-batch, when micro_batch_tokens is None
     micro_batch_tokens: int | None  # token slots per micro-batch of packed rows
@@ -118,7 +119,8 @@ class Learner:
         results = [
             update_policy(self.policy, self.optimizer, [seqs[i] for i in chunk], loss=self.loss, grad_clip=s.grad_clip,
                           max_new_tokens=s.max_new_tokens, ref_model=self.reference,
-                          kept_matmul_bytes=int(s.kept_matmul_gib * 2**30), **layout)
+                          kept_matmul_bytes=int(s.kept_matmul_gib * 2**30), sync_grads_once=s.sync_grads_once,
+                          **layout)
             for chunk in chunks
         ]
         self.scheduler.step()
@@ -174,13 +176,14 @@ def mini_batch_indices(counts: list[int], rank: int, mini_batches: int) -> list[
 def shard_policy(policy, *, device: str, autocast_dtype: str | None = None, cpu_offload: bool = False) -> None:
     """FSDP2 over the process group: each decoder layer its own unit, then the rest (embedding, final norm, LM head)
     as the root, which is a :class:`~fgrpo.learner.forward.PolicyPass` around the policy so that the learner's log-prob
-    pass (base model, then the fused LM head) runs inside the root's forward. On GPU the layers compute in the
-    autocast dtype over fp32 master weights, with gradients reduced in fp32; ``cpu_offload`` keeps parameters,
-    gradients and optimizer state in CPU memory between uses."""
+    pass (base model, then the fused LM head) runs inside the root's forward. With ``autocast_dtype`` FSDP2's
+    mixed-precision policy gathers the weights in that dtype over fp32 master shards and reduces gradients in fp32,
+    on GPUs and on the CPU alike (tests/learner/test_sharded.py holds 2 CPU ranks under it against one process under
+    autocast); ``cpu_offload`` keeps parameters, gradients and optimizer state in CPU memory between uses."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     options = {}
-    if device == "cuda" and autocast_dtype:
+    if autocast_dtype and autocast_dtype != "float32":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, autocast_dtype), reduce_dtype=torch.float32)
     if cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
@@ -262,6 +265,7 @@ def update_policy(
     autocast_dtype: torch.dtype | None = None,
     share_prompts: bool = False,
     kept_matmul_bytes: int = 0,
+    sync_grads_once: bool = False,
 ) -> dict[str, float]:
     """One optimizer step on ``seqs`` with gradient accumulation over micro-batches (fgrpo.learner.packing).
 
@@ -271,6 +275,8 @@ def update_policy(
     ``ref_model`` (frozen) is needed only for the optional KL penalty, ``loss.kl_coef > 0``.
     ``kept_matmul_bytes``: per micro-batch, as many layers as fit in it keep their matmul outputs for
     the backward instead of recomputing them (fgrpo.learner.compiled_layers.keep_matmul_outputs); 0 for none.
+    ``sync_grads_once`` (sharded): FSDP2 reduce-scatters the gradients after the last micro-batch only, each rank
+    accumulating unsharded gradients until then (fgrpo.learner.gpu_memory counts them), instead of after each.
 
     Sharded (fgrpo.infra.distributed; ``seqs`` this rank's share, maybe none): the counts are the whole batch's, summed
     over the ranks, each rank's loss is its share of the batch's, and FSDP's gradient average over the ranks is
@@ -289,7 +295,10 @@ def update_policy(
     present: set[str] = set()  # the token-weighted metrics this loss reports
     micros, real = matched_micro_batches(model, seqs, pad_id=pad_id, micro_batch_size=micro_batch_size,
                                          micro_batch_tokens=micro_batch_tokens, share_prompts=share_prompts)
+    sharded_root = vars(model).get(SHARDED_PASS)
     for index, micro in enumerate(micros):
+        if sync_grads_once and sharded_root is not None:  # every rank has as many micro-batches: the same last one
+            sharded_root.set_requires_gradient_sync(index == len(micros) - 1)
         if index >= real:  # a filler: the same collectives as a real micro-batch, no gradient
             micro_loss = _micro_batch_loss(model, micro, loss, counts, pad_id=pad_id, temperature=temperature,
                                            autocast_dtype=autocast_dtype, ref_model=ref_model)[0]
