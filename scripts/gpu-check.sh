@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# Checks every GPU path of fgrpo on one CUDA GPU, offline, with the machine's own torch, in about 9 minutes, and
-# writes a markdown report (GPU, versions, each check's result and time, the benchmark against TRL):
-#   the tests marked gpu; run.py hardware=gpu with sampler=hf (and sampler=vllm where vLLM is installed); a run
-#   killed with SIGKILL and run again, its final weights compared bitwise with an uninterrupted run's; torchrun
-#   --nproc_per_node 1 with hardware.fsdp=true, and with hardware.cpu_offload=true; fgrpo.evaluate, fgrpo.compare
-#   and fgrpo.rare_nll score on cuda; bench/compare_trl.py --hardware gpu (Qwen2.5-1.5B's shape, random weights,
-#   16 prompts x 8 samples x 512 tokens), ours then TRL, alone on the card.
+# Checks fgrpo's GPU paths on one CUDA GPU, offline, with the machine's own torch, within a budget (default 420 s, so
+# that two tries fit a 15-minute lease), and writes a markdown report. Checks run in order of priority, each with
+# a time box; one that outlives it is killed and reported "out of time" (apart from FAILED, and from skipped:
+# not started for want of time or of what it needs):
+#   1. resume pairs, side by side: hardware.deterministic=true, and the defaults. Each runs run.py hardware=gpu
+#      sampler=hf (tiny_random, 4 steps, a checkpoint each), then the same command killed with SIGKILL after step 2
+#      and run again; the final weights bitwise (how many tensors differ, the largest difference) and the first
+#      step whose loss or grad_norm differs between the two runs' metrics.jsonl;
+#   2. alone on the card: bench/learner_step.py at Qwen2.5-1.5B's shape (random weights, 16x8x512; then steps of
+#      drawn widths: torch.compile's graphs and recompiles; memory against fgrpo.learner.gpu_memory's estimate),
+#      then TRL's learner on the same batch (bench/trl_learner_step.py); no sampling. The report's targets:
+#      learner >= 35% of the card's bf16 matmul rate, >= 1.5x TRL's learner, state and activations within 15%;
+#   3. as time allows, side by side: pytest -m gpu; torchrun --nproc_per_node 1 with hardware.fsdp=true, and with
+#      hardware.cpu_offload=true; fgrpo.evaluate, fgrpo.compare, fgrpo.rare_nll score on cuda; sampler=vllm alone
+#      where vLLM is installed.
 #
-#   bash scripts/gpu-check.sh [OUT_DIR] [--budget 540] [--workload 16x8x512 ...] [--skip functional|bench]
+#   bash scripts/gpu-check.sh [OUT_DIR] [--budget 420] [--workload 16x8x512] [--skip functional|bench]
 #
 # OUT_DIR defaults to outputs/gpu-check/<date-time>; the report is OUT_DIR/report.md, each check's log in
-# OUT_DIR/logs/. Its reports go into bench/RESULTS.md. On a machine without network or the project's venv, first
-# `bash ../shared/gpu-carry.sh` where the project is set up, and source .gpu-carry/env.sh on the GPU machine.
+# OUT_DIR/logs/, the benchmarks' numbers in OUT_DIR/bench/*.json. Exit 0: all ran; 1: a check failed; 2: one ran
+# out of time. Its reports go into bench/RESULTS.md. On a machine without network or the project's venv: first
+# `bash ../shared/gpu-carry.sh` where the project is set up, then on the GPU machine
+# `. .gpu-carry/env.sh && bash scripts/gpu-check.sh`.
 # FGRPO_PYTHON picks the interpreter (default: the repo's .venv if it has CUDA torch, else python3).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

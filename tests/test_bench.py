@@ -138,3 +138,71 @@ def test_verifier_pool_prints_answers_per_second():
     lines = done.stdout.strip().splitlines()
     assert lines[-2].startswith("math verifier, 1 (in-process): ") and " answers/s" in lines[-2]
     assert lines[-1].startswith("math verifier, 2 workers: ") and "0 deaths, 0 stuck" in lines[-1]
+
+
+def load_bench_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_learner_step_drawn_widths_differ_per_sequence_and_step():
+    batch = load_bench_script("learner_step").batch
+    fixed = [len(s.completion_ids) for s in batch(2, 4, 16, 4, 100)]
+    drawn = [[len(s.completion_ids) for s in batch(2, 4, 16, 4, 100, widths_seed=seed)] for seed in (1, 2)]
+    assert fixed == [16] * 8
+    assert drawn[0] != drawn[1] and all(1 <= n <= 16 for n in drawn[0] + drawn[1]) and len(set(drawn[0])) > 1
+    # the prompts stay the step's (only the completions' lengths are drawn)
+    prompts = [s.prompt_ids for s in batch(2, 4, 16, 4, 100)]
+    assert [s.prompt_ids for s in batch(2, 4, 16, 4, 100, widths_seed=1)] == prompts
+
+
+def test_learner_step_json_has_every_number(tmp_path):
+    out = tmp_path / "learner.json"
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "learner_step.py"), "--device", "cpu", "--model",
+                           "tiny_random", "--workload", "2x4x8", "--steps", "2", "--widths", "2", "--set",
+                           "compile_learner=false", "--dtype", "float32", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = done.stdout.strip().splitlines()[-1]
+    assert row.startswith("| cpu | tiny_random 2x4x8 | compile_learner=false |") and "drawn widths: 2 steps" in row
+    result = json.loads(out.read_text())
+    assert len(result["fixed"]["step_s"]) == 1 and len(result["widths"]["step_s"]) == 2  # the first step dropped
+    for key in ("median_s", "tflops", "pct_of_matmul", "matmul_tflops"):
+        assert result["fixed"][key] > 0, key
+    assert result["compile"]["graphs"] == 0 and result["compile"]["recompiles"] == 0  # nothing compiled here
+    memory = result["memory"]
+    assert memory["measured"] is None and memory["ratio"] is None  # CUDA only
+    estimate = memory["estimate"]
+    assert estimate["state"] == pytest.approx(estimate["weights"] + estimate["gradients"] + estimate["moments"])
+    assert estimate["activations"] > 0 and memory["micro_batch_tokens"] > 0
+
+
+@pytest.mark.slow  # about 25 s on 2 cores, most of it importing TRL
+@pytest.mark.skipif(not HAVE_TRL, reason="TRL not installed (pip install 'fgrpo[bench]')")
+def test_trl_learner_step_runs_on_cpu_and_writes_its_json(tmp_path):
+    out = tmp_path / "trl.json"
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "trl_learner_step.py"), "--device", "cpu", "--model",
+                           "tiny_random", "--workload", "2x4x16", "--steps", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = done.stdout.strip().splitlines()[-1]
+    assert row.startswith("| cpu | trl ") and "tiny_random 2x4x16 | micro-batch 8 x 1" in row and "TFLOP/s" in row
+    result = json.loads(out.read_text())
+    assert len(result["learn_s"]) == 2 and result["median_s"] == pytest.approx(result["learn_s"][1], abs=1e-3)
+    assert result["micro_batch"] * result["accumulation"] == 8 and result["dtype"] == "float32"
+    assert result["tflops"] > 0 and result["pct_of_matmul"] > 0 and result["peak_gib"] is None
+
+
+def test_trl_learner_step_prepares_trls_batch():
+    """The batch as TRL's generation step hands it to its loss: padded ids and masks, advantages, the token count."""
+    trl_step = load_bench_script("trl_learner_step")
+    from fgrpo.learner.packing import Sequence
+
+    seqs = [Sequence([5, 6], [7, 8, 9], 1.0), Sequence([5], [7], -1.0)]
+    inputs = trl_step.prepared_inputs(seqs, "cpu", pad_id=0)
+    assert inputs["prompt_ids"].tolist() == [[5, 6], [0, 5]] and inputs["prompt_mask"].tolist() == [[1, 1], [0, 1]]
+    assert inputs["completion_ids"].tolist() == [[7, 8, 9], [7, 0, 0]]
+    assert inputs["completion_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert inputs["advantages"].tolist() == [1.0, -1.0] and int(inputs["num_items_in_batch"]) == 4
