@@ -133,6 +133,27 @@ def widest_micro_batch(model, seqs: list[Sequence], hw) -> int:
     return max(m.padded_tokens for m in micros)
 
 
+def settle_auto_layout(model, hw, args, cuda: bool) -> None:
+    """``--set micro_batch_tokens=auto`` / ``keep_matmul_outputs_gib=auto`` on CUDA: sized from the card's memory as
+    a run sizes them (fgrpo.learner.gpu_memory.auto_gpu_layout); on the CPU auto keeps no matmul outputs here."""
+    if not cuda or "auto" not in (hw["micro_batch_tokens"], hw["keep_matmul_outputs_gib"]):
+        if hw["micro_batch_tokens"] == "auto":
+            raise SystemExit("micro_batch_tokens=auto sizes from a GPU's memory: on the CPU set a number")
+        return
+    from fgrpo.learner.gpu_memory import auto_gpu_layout
+
+    card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    dtype = getattr(torch, args.dtype)
+    tokens, kept = auto_gpu_layout(lambda n: memory_estimate(model, hw, dtype, "cuda", n), card,
+                                   args.prompt_tokens + int(args.workload.split("x")[2]))
+    if hw["micro_batch_tokens"] == "auto":
+        hw["micro_batch_tokens"] = tokens
+    if hw["keep_matmul_outputs_gib"] == "auto":
+        hw["keep_matmul_outputs_gib"] = round(kept, 2) if hw["gradient_checkpointing"] and hw["compile_learner"] else 0
+    print(f"auto layout: micro-batches of {hw['micro_batch_tokens']} token slots, "
+          f"{hw['keep_matmul_outputs_gib']} GiB of matmul outputs kept", file=sys.stderr, flush=True)
+
+
 def kept_gib(hw) -> float:
     """GiB of matmul outputs kept per micro-batch (hardware.keep_matmul_outputs_gib; its "auto" counts as 0 here)."""
     return float(hw["keep_matmul_outputs_gib"] or 0) if hw["keep_matmul_outputs_gib"] != "auto" else 0.0
@@ -248,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device == "cuda"
     model = build_model(args.model, args.device, hw["attention"])
     readings = {"weights": torch.cuda.memory_allocated()} if cuda else {}
+    settle_auto_layout(model, hw, args, cuda)
     if hw["gradient_checkpointing"]:
         model.gradient_checkpointing_enable()
     if hw["compile_learner"]:

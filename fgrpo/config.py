@@ -111,8 +111,9 @@ class HardwareConfig:
     autocast_dtype: Optional[str] = "auto"
     sampler_dtype: str = "auto"  # vLLM's weights and activations; auto as autocast_dtype, float32 where bf16 is slow
     micro_batch_size: int = 8  # sequences per micro-batch, padded to the longest (when micro_batch_tokens is null)
-    # set: sequences packed several to a row, at most this many token slots (rows x widest row) per micro-batch
-    micro_batch_tokens: Optional[int] = None
+    # set: sequences packed several to a row, at most this many token slots (rows x widest row) per micro-batch; auto
+    # (GPU): sized from the card's memory and the model (fgrpo.learner.gpu_memory.auto_gpu_layout)
+    micro_batch_tokens: Any = None
     # with micro_batch_tokens: a prompt's samples may follow one copy of it in a row (its G copies computed once)
     share_prompts: bool = False
     threads: int = 0  # torch threads on CPU; 0 = all cores
@@ -139,7 +140,8 @@ class HardwareConfig:
     sync_grads_once: bool = False
     # with gradient_checkpointing and compile_learner: per micro-batch, up to this much memory keeps layers' matmul
     # outputs, so that their backward recomputes only the cheap rest (norms, attention scores, SiLU); 0: none kept;
-    # auto: 0.3 GiB of bf16 outputs or 0.6 of fp32 ones (the same layers), 0 without checkpointed compiled layers
+    # auto: on the CPU 0.3 GiB of bf16 outputs or 0.6 of fp32 ones (the same layers), on a GPU from the memory the
+    # learner leaves free (fgrpo.learner.gpu_memory.auto_gpu_layout); 0 without checkpointed compiled layers
     keep_matmul_outputs_gib: Any = "auto"
     # on GPU, vLLM sleeps while the learner runs (its weights to CPU memory, its KV cache freed) and wakes for the
     # push: the learner gets the card's memory back; where vLLM supports it (not on CPU)
@@ -358,7 +360,10 @@ def _check_learner_layout(hw, need, attentions: tuple) -> None:
     :func:`validate`'s ``need``."""
     need(hw.micro_batch_size >= 1, "hardware.micro_batch_size", hw.micro_batch_size, "must be >= 1")
     tokens = hw.get("micro_batch_tokens")
-    need(tokens is None or tokens >= 1, "hardware.micro_batch_tokens", tokens, "must be >= 1, or null to pad each sequence")
+    whole = isinstance(tokens, int) and not isinstance(tokens, bool)
+    need(tokens is None or (whole and tokens >= 1) or (tokens == "auto" and hw.device == "cuda"),
+         "hardware.micro_batch_tokens", tokens, "must be >= 1, null to pad each sequence, or auto on a GPU (sized from "
+         "its memory; on the CPU set a number, e.g. 4096)")
     need(hw.attention in attentions, "hardware.attention", hw.attention,
          f"must be one of {attentions}")
     need(hw.attention != "flex" or hw.device == "cuda", "hardware.attention", "flex",

@@ -34,7 +34,7 @@ from fgrpo.infra.process_memory import bound_kernel_caches, keep_freed_memory
 from fgrpo.infra.tracking import NoTracker, Tracker
 from fgrpo.learner.compiled_layers import auto_kept_matmul_gib, require_cpp_compiler
 from fgrpo.learner.flex_attention import flex_available
-from fgrpo.learner.gpu_memory import check_learner_fits_gpus
+from fgrpo.learner.gpu_memory import fit_learner_to_gpus
 from fgrpo.learner.learner import LearnerSettings
 from fgrpo.learner.model import load_tokenizer, resolve_model_folder
 from fgrpo.rollout.data import Problem, arithmetic_problems, build_prompt, load_problems
@@ -96,7 +96,7 @@ def prepare(cfg: DictConfig, ranks: Ranks = SINGLE, *, saved_config: Path | None
 def _weights_folder(cfg: DictConfig, world: int, training: bool, model_folder: Callable[[], Path] | None) -> Path:
     folder = model_folder() if model_folder is not None else resolve_model_folder(cfg.model)
     if training and cfg.hardware.device == "cuda":
-        check_learner_fits_gpus(folder, cfg, world)
+        fit_learner_to_gpus(folder, cfg, world)  # settles auto micro-batches and kept matmul outputs too
     return folder
 
 

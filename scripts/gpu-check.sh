@@ -9,7 +9,8 @@
 #      step whose loss or grad_norm differs between the two runs' metrics.jsonl;
 #   2. alone on the card: bench/learner_step.py at Qwen2.5-1.5B's shape (random weights, 16x8x512; then steps of
 #      drawn widths: torch.compile's graphs and recompiles; memory against fgrpo.learner.gpu_memory's estimate),
-#      then TRL's learner on the same batch (bench/trl_learner_step.py); no sampling. The report's targets:
+#      then TRL's learner on the same batch (bench/trl_learner_step.py), then ours again with the layout sized from
+#      the card's memory (micro_batch_tokens=auto keep_matmul_outputs_gib=auto); no sampling. The report's targets:
 #      learner >= 35% of the card's bf16 matmul rate, >= 1.5x TRL's learner, state and activations within 15%;
 #   3. as time allows, side by side: pytest -m gpu; torchrun --nproc_per_node 1 with hardware.fsdp=true, and with
 #      hardware.cpu_offload=true; fgrpo.evaluate, fgrpo.compare, fgrpo.rare_nll score on cuda; sampler=vllm alone

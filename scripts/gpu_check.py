@@ -52,13 +52,17 @@ BENCH_MODEL = "qwen2_5_1_5b_random"
 # of it the compile; the kill and resume 88 s; torchrun 50 s; evaluate 19-28 s; pytest -m gpu 199 s), and TRL's
 # learner at 16x8x512: 4.1 s per step. Expected here: a resume pair 110-145 s, the learner benchmark 70-100 s
 # (about 45 s of compile, 4 + 3 steps of 1.5-4 s), TRL's 40-60 s.
-BOX = {"run": 120, "resume": 150, "resume-equal": 60, "bench-learner": 150, "bench-trl": 120, "evaluate": 90,
+BOX = {"run": 120, "resume": 150, "resume-equal": 60, "bench-learner": 150, "bench-trl": 120,
+       "bench-learner-auto": 90, "evaluate": 90,
        "rare-nll": 90, "compare": 60, "torchrun": 120, "vllm": 150, "pytest-gpu": 600}
-BENCH_RESERVE_S = 200  # kept for the benchmarks after the resume pairs: what they are expected to take, and margin
+# the learner with the layout sized from the card's memory (hardware auto keys), beside the fixed defaults
+AUTO_LAYOUT = ("micro_batch_tokens=auto", "keep_matmul_outputs_gib=auto")
+BENCH_RESERVE_S = 240  # kept for the benchmarks after the resume pairs: what they are expected to take, and margin
 MIN_START_S = 10  # a check with less time left than this is not started
 # the report's order: by priority
 ORDER = [f"{kind}-{v}" for v in RESUME_VARIANTS for kind in ("run", "resume", "resume-equal")] + [
-    "bench-learner", "bench-trl", "pytest-gpu", "evaluate-base", "evaluate-trained", "rare-nll", "compare",
+    "bench-learner", "bench-trl", "bench-learner-auto", "pytest-gpu", "evaluate-base", "evaluate-trained", "rare-nll",
+    "compare",
     "torchrun-fsdp", "torchrun-offload", "vllm"]
 
 
@@ -207,11 +211,14 @@ def resume_pair(ctx: Context, variant: str, extra: tuple) -> None:
         skip(ctx, f"resume-equal-{variant}", what, "the killed run's resume did not finish")
 
 
-def bench_learner(ctx: Context, until: float, workload: str, steps: int, widths: int):
-    out = ctx.out / "bench" / "learner.json"
+def bench_learner(ctx: Context, until: float, workload: str, steps: int, widths: int, *overrides: str,
+                  name: str = "learner"):
+    out = ctx.out / "bench" / f"{name}.json"
     command = [PY, "bench/learner_step.py", "--device", "cuda", "--model", BENCH_MODEL, "--workload", workload,
                "--steps", str(steps), "--widths", str(widths), "--json", str(out)]
-    code, tail = run(ctx, "bench-learner", command, until,
+    for override in overrides:
+        command += ["--set", override]
+    code, tail = run(ctx, f"bench-{name}", command, until,
                      env={"TORCHINDUCTOR_CACHE_DIR": str(ctx.out / "inductor" / "bench")})
     if code != 0 or not out.exists():
         return False, f"exit {code}: {first_error(tail)}"
@@ -307,6 +314,10 @@ def bench_phase(ctx: Context, args) -> None:
           lambda until: bench_learner(ctx, until, args.workload, args.bench_steps, args.widths))
     timed(ctx, "bench-trl", f"bench/trl_learner_step.py: TRL's learner on the same batch, {args.trl_steps} steps",
           BOX["bench-trl"], lambda until: bench_trl(ctx, until, args.workload, args.trl_steps))
+    # the layout sized from the card's memory (micro-batch tokens, kept matmul outputs) against the fixed defaults
+    timed(ctx, "bench-learner-auto", f"bench/learner_step.py as above with {' '.join(AUTO_LAYOUT)}: 3 steps",
+          BOX["bench-learner-auto"], lambda until: bench_learner(ctx, until, args.workload, 3, 0, *AUTO_LAYOUT,
+                                                                 name="learner-auto"))
 
 
 def optional_phase(ctx: Context) -> None:
@@ -415,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = (args.out or REPO / "outputs" / "gpu-check" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    for stale in (out / "bench" / "learner.json", out / "bench" / "trl.json"):
+    for stale in (out / "bench" / f"{name}.json" for name in ("learner", "trl", "learner-auto")):
         stale.unlink(missing_ok=True)
     started = time.time()
     end = started + args.budget

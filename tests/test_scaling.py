@@ -9,7 +9,7 @@ import torch
 from fgrpo.config import smallest_kept_lr, validate, validate_layout
 
 from fgrpo.infra.errors import ConfigError
-from fgrpo.learner.gpu_memory import GIB, check_learner_fits_gpus, learner_memory, model_shape
+from fgrpo.learner.gpu_memory import GIB, fit_learner_to_gpus, learner_memory, model_shape
 
 EXPERIMENTS = ["paper_grpo", "paper_dapo", "paper_cispo"]
 CLIPS = {"paper_grpo": (0.2, 0.2), "paper_dapo": (0.2, 0.28), "paper_cispo": (1.0, 5.0)}
@@ -125,11 +125,63 @@ def test_a_learner_too_big_for_its_gpus_is_refused_before_loading(compose, tmp_p
     # 75 GiB per card, half of it vLLM's: 37 GiB for the learner, which takes 25 GiB on 8 GPUs (39 on 4)
     with pytest.raises(ConfigError, match=r"needs about 125 GiB per GPU with 1 process \(.*but each GPU has 37 GiB "
                                           r".*launch 8 or more GPUs.*hardware.cpu_offload=true with hardware.fsdp"):
-        check_learner_fits_gpus(folder, cfg, 1)
-    check_learner_fits_gpus(folder, cfg, 8)  # fits beside vLLM's half of the card
+        fit_learner_to_gpus(folder, cfg, 1)
+    fit_learner_to_gpus(folder, cfg, 8)  # fits beside vLLM's half of the card
     # reducing the gradients once per step holds them whole (28 GiB in fp32) on each of the 8: no longer fits
     with pytest.raises(ConfigError, match=r"with 8 processes .*Options: hardware.sync_grads_once=false \(it holds "
                                           r"the whole fp32 gradients on each GPU, 28.4 GiB"):
-        check_learner_fits_gpus(folder, compose("experiment=paper_grpo", "hardware.sync_grads_once=true"), 8)
-    check_learner_fits_gpus(folder, compose("experiment=paper_grpo", "hardware.cpu_offload=true",
+        fit_learner_to_gpus(folder, compose("experiment=paper_grpo", "hardware.sync_grads_once=true"), 8)
+    fit_learner_to_gpus(folder, compose("experiment=paper_grpo", "hardware.cpu_offload=true",
                                             "hardware.fsdp=true"), 1)
+
+
+def test_auto_micro_batches_and_kept_matmul_outputs_are_sized_from_the_cards_memory(compose, tmp_path, monkeypatch):
+    """hardware.micro_batch_tokens=auto and keep_matmul_outputs_gib=auto on a GPU: the micro-batch's activations take
+    half of what the state leaves, half of the rest keeps matmul outputs; a bigger card or a smaller model, more."""
+    from fgrpo.learner.gpu_memory import ACTIVATIONS_SHARE, AUTO_TOKENS_MAX, auto_gpu_layout
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Card())
+    folder = qwen_7b_folder(tmp_path)
+    auto = ("hardware.micro_batch_tokens=auto", "hardware.keep_matmul_outputs_gib=auto")
+    cfg = compose("experiment=paper_grpo", "hardware=gpu_8", *auto)
+    fit_learner_to_gpus(folder, cfg, 8)
+    tokens, kept = cfg.hardware.micro_batch_tokens, cfg.hardware.keep_matmul_outputs_gib
+    assert isinstance(tokens, int) and tokens % 2048 == 0 and 9216 <= tokens <= AUTO_TOKENS_MAX
+    shape = model_shape(folder)
+
+    def per_gpu(n: int):
+        return learner_memory(**shape, weight_dtype="float32", compute_dtype="bfloat16", world=8, sharded=True,
+                              cpu_offload=False, checkpointing=True, micro_batch_tokens=n)
+
+    headroom = 80 * 10**9 * 0.5 - per_gpu(0).state  # gpu_8: vLLM has half the card
+    assert per_gpu(tokens).activations <= ACTIVATIONS_SHARE * headroom < per_gpu(tokens + 2048).activations
+    # gpu_8 does not compile its layers: nothing can keep matmul outputs
+    assert kept == 0
+    # one GPU's compiled layers: a 1.5B-sized model on 80 GB keeps matmul outputs, and a bigger card sizes bigger
+    small = dict(params=1_543_714_304, layer_params=46_797_824, root_params=233_373_696, hidden=1536, layers=28)
+
+    def estimate(n):
+        return learner_memory(**small, weight_dtype="float32", compute_dtype="bfloat16", world=1, sharded=False,
+                              cpu_offload=False, checkpointing=True, micro_batch_tokens=n)
+
+    tokens_80, kept_80 = auto_gpu_layout(estimate, 80 * GIB, 512)
+    tokens_140, kept_140 = auto_gpu_layout(estimate, 140 * GIB, 512)
+    assert 16384 < tokens_80 <= tokens_140 <= AUTO_TOKENS_MAX and 0 < kept_80 < kept_140
+    assert auto_gpu_layout(estimate, 30 * GIB, 9000)[0] == 9088  # never under the longest sequence (in tiles of 128)
+
+
+def test_a_micro_batch_whose_activations_cannot_fit_is_refused_naming_the_key(compose, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Card())
+    folder = qwen_7b_folder(tmp_path)
+    with pytest.raises(ConfigError, match=r"with 8 processes .*activations .*smaller micro-batches: "
+                                          r"hardware.micro_batch_tokens=262144 \(now 524288 token slots\), or auto"):
+        fit_learner_to_gpus(folder, compose("experiment=paper_grpo", "hardware.micro_batch_tokens=524288"), 8)
+
+
+def test_auto_micro_batches_are_for_gpus(compose):
+    with pytest.raises(ConfigError, match=r"hardware.micro_batch_tokens='auto': .*auto on a GPU .*on the CPU set a "
+                                          r"number"):
+        validate(compose("hardware.micro_batch_tokens=auto"))
+    validate(compose("hardware=gpu", "hardware.micro_batch_tokens=auto"))

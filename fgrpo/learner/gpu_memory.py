@@ -9,11 +9,13 @@ layer inputs) is in the weights' dtype in one process (autocast computes the mat
 into the fp32 stream) and in the compute dtype when FSDP2's mixed-precision policy casts the weights; plus the LM
 head's logits blocks (fgrpo.learner.logprobs.CHUNK_BYTES). vLLM takes
 ``hardware.sampler_gpu_memory_utilization`` of each card. The activation term is a rough rule (below): the check
-refuses a launch whose state alone cannot fit, and warns where the activations may tip it over.
+refuses a launch whose state and one micro-batch's activations cannot fit, and sizes micro-batches and kept matmul
+outputs from the card's memory where they are ``auto`` (:func:`auto_gpu_layout`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,48 +104,91 @@ def model_shape(folder: Path) -> dict[str, int]:
                 hidden=config.hidden_size, layers=config.num_hidden_layers)
 
 
-def check_learner_fits_gpus(folder: Path, cfg, world: int) -> None:
-    """Raise ConfigError when the learner's state cannot fit this machine's GPU beside vLLM's share; log a warning
-    when its activations may not."""
-    import logging
+# hardware.micro_batch_tokens=auto on a GPU: a multiple of this many token slots, at most the maximum
+AUTO_TOKENS_STEP, AUTO_TOKENS_MAX = 2048, 65536
+# of the memory the learner's state leaves on the card, the share one micro-batch's activations may take; of what
+# they leave, the share that keeps matmul outputs (hardware.keep_matmul_outputs_gib=auto). The rest: the allocator's
+# fragmentation, the compiler's workspaces, HF generate's KV cache with sampler=hf
+ACTIVATIONS_SHARE, KEPT_SHARE = 0.5, 0.5
 
+
+def auto_gpu_layout(estimate, available: float, min_tokens: int) -> tuple[int, float]:
+    """``(micro_batch_tokens, kept matmul GiB per micro-batch)`` from the free memory and the model:
+    ``estimate(tokens) -> LearnerMemory`` (one GPU's, the model's shape bound), ``available`` the bytes the learner
+    may use, ``min_tokens`` the longest sequence (a micro-batch holds at least one). Activations grow linearly with the
+    tokens: the most tokens whose activations take :data:`ACTIVATIONS_SHARE` of what the state leaves, then
+    :data:`KEPT_SHARE` of what is still left keeps matmul outputs (fgrpo.learner.compiled_layers) instead of
+    recomputing them."""
+    empty = estimate(0)
+    per_token = (estimate(AUTO_TOKENS_STEP).activations - empty.activations) / AUTO_TOKENS_STEP
+    headroom = available - empty.state
+    tokens = int((headroom * ACTIVATIONS_SHARE - empty.activations) / per_token) // AUTO_TOKENS_STEP * AUTO_TOKENS_STEP
+    tokens = max(min(tokens, AUTO_TOKENS_MAX), -(-min_tokens // 128) * 128)
+    kept = max(0.0, headroom - estimate(tokens).activations) * KEPT_SHARE
+    return tokens, kept / GIB
+
+
+def fit_learner_to_gpus(folder: Path, cfg, world: int) -> None:
+    """Settle ``auto`` in ``hardware.micro_batch_tokens`` and ``keep_matmul_outputs_gib`` from this GPU's memory
+    (:func:`auto_gpu_layout`), then raise ConfigError when the learner's state, or its state and one micro-batch's
+    activations, cannot fit beside vLLM's share, naming the options."""
     import torch
 
-    hw, sampler = cfg.hardware, cfg.sampler
+    hw = cfg.hardware
     shape = model_shape(folder)
-    tokens = hw.micro_batch_tokens or hw.micro_batch_size * sampler.max_model_len
-    compute = hw.autocast_dtype if hw.autocast_dtype in BYTES else hw.learner_dtype  # "auto" is settled later
-    sharded = world > 1 or hw.fsdp
-
-    def need(ranks: int) -> LearnerMemory:
-        return learner_memory(**shape, weight_dtype=hw.learner_dtype, compute_dtype=compute, world=ranks,
-                              sharded=sharded or ranks > 1, cpu_offload=hw.cpu_offload,
-                              checkpointing=hw.gradient_checkpointing, micro_batch_tokens=tokens,
-                              reference=cfg.algo.kl_coef > 0, unsharded_gradients=hw.sync_grads_once)
-
     card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    vllm_share = hw.sampler_gpu_memory_utilization if sampler.name == "vllm" else 0.0
+    vllm_share = hw.sampler_gpu_memory_utilization if cfg.sampler.name == "vllm" else 0.0
     available = card * (1 - vllm_share)
-    estimate = need(world)
+    if "auto" in (hw.micro_batch_tokens, hw.keep_matmul_outputs_gib):
+        tokens, kept = auto_gpu_layout(lambda n: _estimate(cfg, shape, world, world, n), available,
+                                       cfg.sampler.max_model_len)
+        if hw.micro_batch_tokens == "auto":
+            hw.micro_batch_tokens = tokens
+        if hw.keep_matmul_outputs_gib == "auto":
+            selective = hw.gradient_checkpointing and hw.compile_learner
+            hw.keep_matmul_outputs_gib = round(kept, 2) if selective else 0.0
+        logging.getLogger("fgrpo").info(
+            "GPU layout from %.0f GiB for the learner: micro-batches of %d token slots, %g GiB of matmul outputs kept",
+            available / GIB, hw.micro_batch_tokens, hw.keep_matmul_outputs_gib)
+    check_learner_fits_gpus(shape, cfg, world, card=card, available=available, vllm_share=vllm_share)
+
+
+def _estimate(cfg, shape: dict, world: int, ranks: int, tokens: int) -> LearnerMemory:
+    """The learner's memory per GPU for ``cfg`` on ``ranks`` processes, ``tokens`` slots per micro-batch."""
+    hw = cfg.hardware
+    compute = hw.autocast_dtype if hw.autocast_dtype in BYTES else hw.learner_dtype  # "auto" is settled later
+    return learner_memory(**shape, weight_dtype=hw.learner_dtype, compute_dtype=compute, world=ranks,
+                          sharded=world > 1 or hw.fsdp or ranks > 1, cpu_offload=hw.cpu_offload,
+                          checkpointing=hw.gradient_checkpointing, micro_batch_tokens=tokens,
+                          reference=cfg.algo.kl_coef > 0, unsharded_gradients=hw.sync_grads_once)
+
+
+def check_learner_fits_gpus(shape: dict, cfg, world: int, *, card: float, available: float, vllm_share: float) -> None:
+    """Raise ConfigError when the learner cannot fit this machine's GPU beside vLLM's share (its state, or its state
+    and one micro-batch's activations, a rougher estimate), naming the options."""
+    hw = cfg.hardware
+    tokens = hw.micro_batch_tokens or hw.micro_batch_size * cfg.sampler.max_model_len
+    sharded = world > 1 or hw.fsdp
+    estimate = _estimate(cfg, shape, world, world, tokens)
     what = (f"the learner of {cfg.model.name} ({shape['params'] / 1e9:.2f}B parameters, {hw.learner_dtype} weights "
             f"with AdamW) needs about {estimate.total / GIB:.0f} GiB per GPU with {world} "
             f"process{'es' if world > 1 else ''} ({estimate.describe()} GiB) but each GPU has {available / GIB:.0f} "
             f"GiB for it ({card / GIB:.0f} GiB, less vLLM's hardware.sampler_gpu_memory_utilization={vllm_share:g})")
     options = []
+    if hw.sync_grads_once and sharded:
+        options.append(f"hardware.sync_grads_once=false (it holds the whole fp32 gradients on each GPU, "
+                       f"{estimate.gradients / GIB:.1f} GiB, until a step's last micro-batch)")
     if not (hw.cpu_offload and sharded):
-        enough = next((n for n in (2, 4, 8, 16, 32, 64, 128) if n > world and need(n).total <= available), None)
+        enough = next((n for n in (2, 4, 8, 16, 32, 64, 128)
+                       if n > world and _estimate(cfg, shape, world, n, tokens).total <= available), None)
         if enough:
-            options.append(f"launch {enough} or more GPUs (about {need(enough).total / GIB:.0f} GiB each then)")
+            options.append(f"launch {enough} or more GPUs (about "
+                           f"{_estimate(cfg, shape, world, enough, tokens).total / GIB:.0f} GiB each then)")
         options.append("hardware.cpu_offload=true" + ("" if sharded else " with hardware.fsdp=true")
                        + " (weights, gradients and moments in CPU memory)")
-    options.append("smaller micro-batches (hardware.micro_batch_tokens or micro_batch_size)")
+    options.append(f"smaller micro-batches: hardware.micro_batch_tokens={tokens // 2} (now {tokens} token slots), "
+                   "or auto (sized from the card's memory)")
     if not hw.gradient_checkpointing:
         options.append("hardware.gradient_checkpointing=true")
-    if hw.sync_grads_once and sharded:
-        options.insert(0, f"hardware.sync_grads_once=false (it holds the whole fp32 gradients on each GPU, "
-                          f"{estimate.gradients / GIB:.1f} GiB, until a step's last micro-batch)")
-    if estimate.state > available:
-        raise ConfigError(f"{what}. Options: {'; '.join(options)}")
     if estimate.total > available:
-        logging.getLogger("fgrpo").warning("%s: it may not fit (the activations are a rough estimate). If it runs "
-                                           "out of memory: %s", what, "; ".join(options))
+        raise ConfigError(f"{what}. Options: {'; '.join(options)}")
