@@ -75,6 +75,9 @@ def prepare(cfg: DictConfig, ranks: Ranks = SINGLE, *, saved_config: Path | None
     data, verifier = distributed.agree(lambda: check_inputs(cfg, ranks.world, training=training, check_data=check_data))
     folder = distributed.agree(lambda: _weights_folder(cfg, ranks.world, training, model_folder))
     hw = cfg.hardware
+    # the layout settled from rank 0's card for all: ranks that ran different micro-batch counts would hang
+    hw.micro_batch_tokens, hw.keep_matmul_outputs_gib = distributed.from_rank0(
+        (hw.micro_batch_tokens, hw.keep_matmul_outputs_gib))
     if hw.deterministic:  # before the first matmul (cuBLAS reads its workspace setting at start) and any compile
         make_deterministic()
     if hw.device == "cpu":

@@ -9,18 +9,18 @@
 #      step whose loss or grad_norm differs between the two runs' metrics.jsonl;
 #   2. alone on the card: bench/learner_step.py at Qwen2.5-1.5B's shape (random weights, 16x8x512; then steps of
 #      drawn widths: torch.compile's graphs and recompiles; memory against fgrpo.learner.gpu_memory's estimate),
-#      then TRL's learner on the same batch (bench/trl_learner_step.py), then ours again with the layout sized from
-#      the card's memory (micro_batch_tokens=auto keep_matmul_outputs_gib=auto); no sampling. The report's targets:
+#      then TRL's learner on the same batch (bench/trl_learner_step.py); no sampling. The report's targets:
 #      learner >= 35% of the card's bf16 matmul rate, >= 1.5x TRL's learner, state and activations within 15%;
-#   3. as time allows, side by side: pytest -m gpu; torchrun --nproc_per_node 1 with hardware.fsdp=true, and with
-#      hardware.cpu_offload=true; fgrpo.evaluate, fgrpo.compare, fgrpo.rare_nll score on cuda; sampler=vllm alone
-#      where vLLM is installed.
+#   3. as time allows, side by side: torchrun --nproc_per_node 1 with hardware.fsdp=true, and with
+#      hardware.cpu_offload=true; pytest -m gpu; fgrpo.evaluate, fgrpo.compare, fgrpo.rare_nll score on cuda; then
+#      alone: ours again with the layout sized from the card's memory (micro_batch_tokens=auto
+#      keep_matmul_outputs_gib=auto), and sampler=vllm where vLLM is installed.
 #
 #   bash scripts/gpu-check.sh [OUT_DIR] [--budget 420] [--workload 16x8x512] [--skip functional|bench]
 #
 # OUT_DIR defaults to outputs/gpu-check/<date-time>; the report is OUT_DIR/report.md, each check's log in
-# OUT_DIR/logs/, the benchmarks' numbers in OUT_DIR/bench/*.json. Exit 0: all ran; 1: a check failed; 2: one ran
-# out of time. Its reports go into bench/RESULTS.md. On a machine without network or the project's venv: first
+# OUT_DIR/logs/, the benchmarks' numbers in OUT_DIR/bench/*.json. Exit 0: nothing failed and 1-2 ran; 1: a check
+# failed; 2: a check of 1-2 ran out of time (those of 3 get what time is left; their state is in the report). Its reports go into bench/RESULTS.md. On a machine without network or the project's venv: first
 # `bash ../shared/gpu-carry.sh` where the project is set up, then on the GPU machine
 # `. .gpu-carry/env.sh && bash scripts/gpu-check.sh`.
 # FGRPO_PYTHON picks the interpreter (default: the repo's .venv if it has CUDA torch, else python3).

@@ -57,13 +57,14 @@ BOX = {"run": 120, "resume": 150, "resume-equal": 60, "bench-learner": 150, "ben
        "rare-nll": 90, "compare": 60, "torchrun": 120, "vllm": 150, "pytest-gpu": 600}
 # the learner with the layout sized from the card's memory (hardware auto keys), beside the fixed defaults
 AUTO_LAYOUT = ("micro_batch_tokens=auto", "keep_matmul_outputs_gib=auto")
-BENCH_RESERVE_S = 240  # kept for the benchmarks after the resume pairs: what they are expected to take, and margin
+BENCH_RESERVE_S = 200  # kept for the benchmarks after the resume pairs: what they are expected to take, and margin
 MIN_START_S = 10  # a check with less time left than this is not started
 # the report's order: by priority
 ORDER = [f"{kind}-{v}" for v in RESUME_VARIANTS for kind in ("run", "resume", "resume-equal")] + [
-    "bench-learner", "bench-trl", "bench-learner-auto", "pytest-gpu", "evaluate-base", "evaluate-trained", "rare-nll",
-    "compare",
-    "torchrun-fsdp", "torchrun-offload", "vllm"]
+    "bench-learner", "bench-trl", "torchrun-fsdp", "torchrun-offload", "pytest-gpu", "evaluate-base",
+    "evaluate-trained", "rare-nll", "compare", "bench-learner-auto", "vllm"]
+# what the check decides: out of time there is exit status 2
+PRIORITY = set(ORDER[:ORDER.index("bench-trl") + 1])
 
 
 class OutOfTime(Exception):
@@ -314,8 +315,12 @@ def bench_phase(ctx: Context, args) -> None:
           lambda until: bench_learner(ctx, until, args.workload, args.bench_steps, args.widths))
     timed(ctx, "bench-trl", f"bench/trl_learner_step.py: TRL's learner on the same batch, {args.trl_steps} steps",
           BOX["bench-trl"], lambda until: bench_trl(ctx, until, args.workload, args.trl_steps))
-    # the layout sized from the card's memory (micro-batch tokens, kept matmul outputs) against the fixed defaults
-    timed(ctx, "bench-learner-auto", f"bench/learner_step.py as above with {' '.join(AUTO_LAYOUT)}: 3 steps",
+
+
+def bench_auto(ctx: Context, args) -> None:
+    """Alone, after the optional checks: the layout sized from the card's memory (micro-batch tokens, kept matmul
+    outputs) against the fixed defaults of bench-learner."""
+    timed(ctx, "bench-learner-auto", f"bench/learner_step.py as bench-learner with {' '.join(AUTO_LAYOUT)}: 3 steps",
           BOX["bench-learner-auto"], lambda until: bench_learner(ctx, until, args.workload, 3, 0, *AUTO_LAYOUT,
                                                                  name="learner-auto"))
 
@@ -342,11 +347,12 @@ def optional_phase(ctx: Context) -> None:
               BOX["torchrun"], lambda until: torchrun(ctx, until, "torchrun-offload", "hardware.cpu_offload=true"))
 
     side_by_side(
+        sharded,  # the offload run failed on the first GPU check: first in line
         lambda: timed(ctx, "pytest-gpu", "pytest -m gpu (every test marked gpu)", BOX["pytest-gpu"],
                       lambda until: pytest_gpu(ctx, until)),
         lambda: timed(ctx, "evaluate-base", "fgrpo.evaluate of the starting weights on cuda", BOX["evaluate"],
                       lambda until: evaluate(ctx, until, "base")),
-        on_the_trained_run, sharded)
+        on_the_trained_run)
     if {"evaluate-base", "evaluate-trained"} <= passed():
         timed(ctx, "compare", "fgrpo.compare base vs trained", BOX["compare"], lambda until: compare(ctx, until))
     # alone: vLLM measures the card's free memory at start, which other processes' allocations would upset
@@ -390,10 +396,13 @@ def report(ctx: Context, started: float, budget: float) -> str:
 
 
 def exit_code(checks: list[Check]) -> int:
-    """1: a check failed; 2: none failed, but one ran out of time or was not started for want of it; 0: else."""
+    """1: a check failed; 2: none failed, but one of the resume pairs or benchmarks (what the check decides) ran out of
+    time or was not started for want of it; 0: else (the optional checks' time is what is left: theirs are in the
+    report)."""
     if any(c.state == FAILED for c in checks):
         return 1
-    short = any(c.state == OUT_OF_TIME or c.result.endswith("no time left in the budget") for c in checks)
+    short = any(c.name in PRIORITY and (c.state == OUT_OF_TIME or c.result.endswith("no time left in the budget"))
+                for c in checks)
     return 2 if short else 0
 
 
@@ -402,8 +411,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Writes OUT/report.md (each check's state: ok, FAILED, out of time, skipped; the targets' PASS/FAIL\n"
                "lines; the learner benchmarks), each check's log in OUT/logs/, the benchmarks' numbers in\n"
-               "OUT/bench/*.json. Exit 0: nothing failed or ran out of time; 1: a check failed; 2: a check ran out\n"
-               "of time or found no time left.")
+               "OUT/bench/*.json. Exit 0: nothing failed, and the resume pairs and benchmarks ran; 1: a check\n"
+               "failed; 2: a resume pair or benchmark ran out of time or found no time left.")
     parser.add_argument("out", type=Path, nargs="?", help="report folder (default outputs/gpu-check/<date-time>)")
     parser.add_argument("--budget", type=float, default=420,
                         help="seconds for everything (default 420: 7 minutes, two tries in a 15-minute lease)")
@@ -440,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_phase(ctx, args)
     if functional:
         optional_phase(ctx)
+    if bench:
+        bench_auto(ctx, args)
     text = report(ctx, started, args.budget)
     (out / "report.md").write_text(text)
     print(text)

@@ -144,6 +144,15 @@ def matmul_output_bytes(model, dtype: torch.dtype | None) -> int:
     return widths * (dtype or next(model.parameters()).dtype).itemsize
 
 
+def recompute_all_layers(model) -> None:
+    """Undo :func:`keep_matmul_outputs` (which the update sets per micro-batch and leaves as its last micro-batch
+    had it): every layer recomputed whole in the backward again. A no-op where layers cannot keep matmul outputs."""
+    layers = getattr(model.base_model, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and all(getattr(layer, "can_keep_matmul_outputs", False)
+                                                       for layer in layers) and model.is_gradient_checkpointing:
+        keep_matmul_outputs(model, 0)
+
+
 def keep_matmul_outputs(model, count: int) -> None:
     """The first ``count`` decoder layers keep their matmul outputs (selective checkpoint); the others
     are recomputed whole in the backward. Needs :func:`compile_decoder_layers` with ``selective_checkpoint``."""

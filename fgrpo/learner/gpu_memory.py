@@ -75,7 +75,8 @@ def learner_memory(*, params: int, layer_params: int, root_params: int, hidden: 
     sharded): each rank accumulates whole fp32 gradients on its GPU until the step's last micro-batch reduces them."""
     offloaded = cpu_offload and sharded
     state = 0 if offloaded else params * BYTES[weight_dtype] / world
-    gradients = params * BYTES["float32"] if unsharded_gradients and sharded else state
+    # whole fp32 gradients until the last micro-batch, and then the shards they are reduced into beside them
+    gradients = params * BYTES["float32"] + state if unsharded_gradients and sharded else state
     residual = BYTES[residual_dtype(weight_dtype=weight_dtype, compute_dtype=compute_dtype, sharded=sharded)]
     per_token_hidden = ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER + NORM_INPUTS_PER_LAYER * (residual - 2)
     per_layer = per_token_hidden * micro_batch_tokens * hidden
@@ -112,18 +113,19 @@ AUTO_TOKENS_STEP, AUTO_TOKENS_MAX = 2048, 65536
 ACTIVATIONS_SHARE, KEPT_SHARE = 0.5, 0.5
 
 
-def auto_gpu_layout(estimate, available: float, min_tokens: int) -> tuple[int, float]:
+def auto_gpu_layout(estimate, available: float, min_tokens: int, tokens: int | None = None) -> tuple[int, float]:
     """``(micro_batch_tokens, kept matmul GiB per micro-batch)`` from the free memory and the model:
     ``estimate(tokens) -> LearnerMemory`` (one GPU's, the model's shape bound), ``available`` the bytes the learner
     may use, ``min_tokens`` the longest sequence (a micro-batch holds at least one). Activations grow linearly with the
     tokens: the most tokens whose activations take :data:`ACTIVATIONS_SHARE` of what the state leaves, then
     :data:`KEPT_SHARE` of what is still left keeps matmul outputs (fgrpo.learner.compiled_layers) instead of
-    recomputing them."""
+    recomputing them. ``tokens`` given (a micro-batch size set by hand): only the kept outputs are sized, for it."""
     empty = estimate(0)
-    per_token = (estimate(AUTO_TOKENS_STEP).activations - empty.activations) / AUTO_TOKENS_STEP
     headroom = available - empty.state
-    tokens = int((headroom * ACTIVATIONS_SHARE - empty.activations) / per_token) // AUTO_TOKENS_STEP * AUTO_TOKENS_STEP
-    tokens = max(min(tokens, AUTO_TOKENS_MAX), -(-min_tokens // 128) * 128)
+    if tokens is None:
+        per_token = (estimate(AUTO_TOKENS_STEP).activations - empty.activations) / AUTO_TOKENS_STEP
+        tokens = int((headroom * ACTIVATIONS_SHARE - empty.activations) / per_token) // AUTO_TOKENS_STEP * AUTO_TOKENS_STEP
+        tokens = max(min(tokens, AUTO_TOKENS_MAX), -(-min_tokens // 128) * 128)
     kept = max(0.0, headroom - estimate(tokens).activations) * KEPT_SHARE
     return tokens, kept / GIB
 
@@ -140,23 +142,34 @@ def fit_learner_to_gpus(folder: Path, cfg, world: int) -> None:
     vllm_share = hw.sampler_gpu_memory_utilization if cfg.sampler.name == "vllm" else 0.0
     available = card * (1 - vllm_share)
     if "auto" in (hw.micro_batch_tokens, hw.keep_matmul_outputs_gib):
+        fixed = None if hw.micro_batch_tokens == "auto" else _tokens(cfg)  # kept outputs sized for the real micro-batch
         tokens, kept = auto_gpu_layout(lambda n: _estimate(cfg, shape, world, world, n), available,
-                                       cfg.sampler.max_model_len)
+                                       cfg.sampler.max_model_len, tokens=fixed)
         if hw.micro_batch_tokens == "auto":
             hw.micro_batch_tokens = tokens
         if hw.keep_matmul_outputs_gib == "auto":
             selective = hw.gradient_checkpointing and hw.compile_learner
             hw.keep_matmul_outputs_gib = round(kept, 2) if selective else 0.0
         logging.getLogger("fgrpo").info(
-            "GPU layout from %.0f GiB for the learner: micro-batches of %d token slots, %g GiB of matmul outputs kept",
+            "GPU layout from %.0f GiB for the learner: micro-batches of %s token slots, %g GiB of matmul outputs kept",
             available / GIB, hw.micro_batch_tokens, hw.keep_matmul_outputs_gib)
     check_learner_fits_gpus(shape, cfg, world, card=card, available=available, vllm_share=vllm_share)
+
+
+def _tokens(cfg) -> int:
+    """Token slots per micro-batch: ``hardware.micro_batch_tokens``, or a padded micro-batch's at the longest."""
+    hw = cfg.hardware
+    return hw.micro_batch_tokens or hw.micro_batch_size * cfg.sampler.max_model_len
 
 
 def _estimate(cfg, shape: dict, world: int, ranks: int, tokens: int) -> LearnerMemory:
     """The learner's memory per GPU for ``cfg`` on ``ranks`` processes, ``tokens`` slots per micro-batch."""
     hw = cfg.hardware
-    compute = hw.autocast_dtype if hw.autocast_dtype in BYTES else hw.learner_dtype  # "auto" is settled later
+    compute = hw.autocast_dtype if hw.autocast_dtype in BYTES else hw.learner_dtype
+    if hw.autocast_dtype == "auto":  # settled after this check (fgrpo.infra.precision): bf16 on a card that has it
+        import torch
+
+        compute = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else hw.learner_dtype
     return learner_memory(**shape, weight_dtype=hw.learner_dtype, compute_dtype=compute, world=ranks,
                           sharded=world > 1 or hw.fsdp or ranks > 1, cpu_offload=hw.cpu_offload,
                           checkpointing=hw.gradient_checkpointing, micro_batch_tokens=tokens,
@@ -167,20 +180,22 @@ def check_learner_fits_gpus(shape: dict, cfg, world: int, *, card: float, availa
     """Raise ConfigError when the learner cannot fit this machine's GPU beside vLLM's share (its state, or its state
     and one micro-batch's activations, a rougher estimate), naming the options."""
     hw = cfg.hardware
-    tokens = hw.micro_batch_tokens or hw.micro_batch_size * cfg.sampler.max_model_len
+    tokens, kept = _tokens(cfg), float(hw.keep_matmul_outputs_gib) * GIB if hw.keep_matmul_outputs_gib != "auto" else 0
     sharded = world > 1 or hw.fsdp
     estimate = _estimate(cfg, shape, world, world, tokens)
+    total = estimate.total + kept
     what = (f"the learner of {cfg.model.name} ({shape['params'] / 1e9:.2f}B parameters, {hw.learner_dtype} weights "
-            f"with AdamW) needs about {estimate.total / GIB:.0f} GiB per GPU with {world} "
-            f"process{'es' if world > 1 else ''} ({estimate.describe()} GiB) but each GPU has {available / GIB:.0f} "
+            f"with AdamW) needs about {total / GIB:.0f} GiB per GPU with {world} "
+            f"process{'es' if world > 1 else ''} ({estimate.describe()}"
+            + (f", kept matmul outputs {kept / GIB:.1f}" if kept else "") + f" GiB) but each GPU has {available / GIB:.0f} "
             f"GiB for it ({card / GIB:.0f} GiB, less vLLM's hardware.sampler_gpu_memory_utilization={vllm_share:g})")
     options = []
     if hw.sync_grads_once and sharded:
         options.append(f"hardware.sync_grads_once=false (it holds the whole fp32 gradients on each GPU, "
-                       f"{estimate.gradients / GIB:.1f} GiB, until a step's last micro-batch)")
+                       f"{shape['params'] * BYTES['float32'] / GIB:.1f} GiB, until a step's last micro-batch)")
     if not (hw.cpu_offload and sharded):
         enough = next((n for n in (2, 4, 8, 16, 32, 64, 128)
-                       if n > world and _estimate(cfg, shape, world, n, tokens).total <= available), None)
+                       if n > world and _estimate(cfg, shape, world, n, tokens).total + kept <= available), None)
         if enough:
             options.append(f"launch {enough} or more GPUs (about "
                            f"{_estimate(cfg, shape, world, enough, tokens).total / GIB:.0f} GiB each then)")
@@ -190,5 +205,8 @@ def check_learner_fits_gpus(shape: dict, cfg, world: int, *, card: float, availa
                    "or auto (sized from the card's memory)")
     if not hw.gradient_checkpointing:
         options.append("hardware.gradient_checkpointing=true")
-    if estimate.total > available:
+    if kept:
+        options.append(f"less kept matmul outputs (hardware.keep_matmul_outputs_gib={hw.keep_matmul_outputs_gib}; "
+                       "auto sizes them from the card)")
+    if total > available:
         raise ConfigError(f"{what}. Options: {'; '.join(options)}")

@@ -18,7 +18,7 @@ import torch
 
 from fgrpo.infra import distributed
 from fgrpo.learner.compiled_layers import (compile_decoder_layers, compiled_without_grad, keep_matmul_outputs,
-                                           matmul_output_bytes)
+                                           matmul_output_bytes, recompute_all_layers)
 from fgrpo.learner.forward import (SHARDED_PASS, PolicyPass, attention_width_cost, completion_logprobs, packs_one_row,
                                    row_multiple)
 from fgrpo.algorithm.losses import LossSettings, policy_loss
@@ -84,6 +84,9 @@ class Learner:
             log.warning("hardware.compile_learner: %s has no decoder-layer list to compile; running eager",
                         settings.model_name)
         self.sharded = distributed.active() or settings.fsdp  # fsdp in one process: a group of one (train.py)
+        if settings.sync_grads_once and not self.sharded:
+            log.warning("hardware.sync_grads_once=true does nothing here: the learner is not sharded (one process "
+                        "without hardware.fsdp), so its gradients are never reduce-scattered")
         if self.sharded:
             shard_policy(self.policy, device=settings.device, autocast_dtype=settings.autocast_dtype,
                          cpu_offload=settings.cpu_offload)
@@ -221,13 +224,16 @@ def fill_old_logprobs(
 
     Through the kernels of the update's own forward, so that the first mini-batch's ratio pi / pi_old is 1 up to
     the rounding of another micro-batch layout (tests/learner/test_compiled_layers.py): in one process the forward
-    runs as the update's does, autograd recording (the same compiled graph, checkpointed: little kept) and the graph
-    dropped at once. A sharded policy (FSDP2 expects a backward after a recording forward) and a model with dropout
+    runs as the update's does, autograd recording (the same compiled graph; what it keeps is what one micro-batch of
+    the update keeps, less with gradient checkpointing, whose layers keep no matmul outputs here) and the graph
+    dropped after each micro-batch. A sharded policy (FSDP2 expects a backward after a recording forward) and a model with dropout
     (it must be off here) run without autograd, their compiled layers included (:func:`compiled_without_grad`:
     another graph of the same layers, which may round differently)."""
     recording = not (SHARDED_PASS in vars(model) or has_dropout(model))
     was_training = model.training
-    if not recording:
+    if recording:
+        recompute_all_layers(model)  # the update's last micro-batch set how many keep their matmul outputs: none here
+    else:
         model.eval()
     micros, real = matched_micro_batches(model, seqs, pad_id=pad_id, micro_batch_size=micro_batch_size,
                                          micro_batch_tokens=micro_batch_tokens, share_prompts=share_prompts)

@@ -214,3 +214,21 @@ def test_old_logprobs_come_from_the_updates_own_kernels_so_the_first_ratio_is_on
     before = first_mini_batch_difference(recording=False, compiled_old=False)
     assert first_mini_batch_difference(recording=True, compiled_old=True) <= 1e-5 < before
     assert first_mini_batch_difference(recording=False, compiled_old=True) <= 1e-3
+
+
+def test_old_logprobs_keep_no_matmul_outputs_whatever_the_last_update_kept(tiny_model):
+    """The update sets per micro-batch how many layers keep their matmul outputs and leaves its last micro-batch's
+    count; the old log-probs' recording forward (next step, a micro-batch of another width) must keep none, or it
+    would hold outputs its budget was not sized for."""
+    from fgrpo.learner.compiled_layers import compile_decoder_layers, keep_matmul_outputs
+    from fgrpo.learner.learner import fill_old_logprobs
+
+    model = copy.deepcopy(tiny_model)
+    model.gradient_checkpointing_enable()
+    compile_decoder_layers(model, selective_checkpoint=True)
+    keep_matmul_outputs(model, 2)  # as an update's last micro-batch may leave them
+    with torch.compiler.set_stance("force_eager"):  # the flags are the point here, not the kernels
+        fill_old_logprobs(model, make_seqs(seed=4, count=6), pad_id=0, temperature=1.0, micro_batch_size=3)
+    layers = model.model.layers
+    assert not any(layer.keeps_matmul_outputs for layer in layers)
+    assert all(layer.gradient_checkpointing for layer in layers)
