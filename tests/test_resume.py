@@ -154,6 +154,24 @@ def test_a_deterministic_run_killed_and_resumed_ends_bitwise_as_the_default_one_
     assert_same_weights(final_weights(run_dir), final_weights(uninterrupted))
 
 
+def test_a_lora_run_killed_and_resumed_ends_bitwise_as_one_never_stopped(tmp_path):
+    """model.lora: the checkpoint holds the adapters and their AdamW moments; resumed, the run ends with the
+    uninterrupted one's merged weights, bitwise."""
+    lora = ("model.lora.rank=4", "trainer.lr=1e-2")
+    whole = tmp_path / "uninterrupted"
+    done = run(whole, *lora)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    kill_during_step(run_dir, 4, *lora)
+    done = run(run_dir, *lora)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in run_log(run_dir)
+    assert_same_weights(final_weights(run_dir), final_weights(whole))
+    # and a full-weight config cannot go on from a LoRA checkpoint
+    refused = run(run_dir, "trainer.steps=8")
+    assert refused.returncode == 2 and "model.lora.rank: 4 -> None" in refused.stderr
+
+
 def test_two_ranks_resume_bitwise_and_their_checkpoint_loads_in_one_process(tmp_path):
     two = ["hardware.compile_learner=false", "hardware.sampler_kv_cache_gib=0.125"]  # compiling under FSDP: minutes
     reference = tmp_path / "uninterrupted"

@@ -77,6 +77,24 @@ def test_two_steps_on_tiny_random_change_all_parameters(tmp_path, sampler):
     assert not unchanged, f"parameters that did not change: {unchanged}"
 
 
+@pytest.mark.parametrize(
+    "sampler",
+    ["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")])],
+)
+def test_a_lora_run_trains_adapters_and_saves_the_merged_model(tmp_path, sampler):
+    """model.lora.rank: the adapters train (the entropy bonus gives a random model a gradient), each sampler takes
+    the merged weights, and the final model is a plain HF folder whose projections moved and nothing else."""
+    result = run_cli(tmp_path, *TINY, f"sampler={sampler}", "model.lora.rank=4", "trainer.lr=1e-2",
+                     "trainer.warmup_steps=0", "trainer.weight_decay=0", "algo.entropy_coef=0.01",
+                     "trainer.save_final=true", "logger=none")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LoRA rank 4 on every linear layer" in (tmp_path / "run.log").read_text()
+    before, after = initial_tiny_state(), load_state(tmp_path / "final_model")
+    assert after.keys() == before.keys()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed == {name for name in before if name.endswith("_proj.weight")}
+
+
 def test_eval_before_false_skips_only_the_evaluation_of_the_starting_weights(tmp_path):
     result = run_cli(tmp_path, *TINY, "sampler=hf", "logger=none", "eval.before=false")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -8,6 +8,7 @@ and for anyone who brings their own loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from fgrpo.learner.compiled_layers import (compile_decoder_layers, compiled_with
 from fgrpo.learner.forward import (SHARDED_PASS, PolicyPass, attention_width_cost, completion_logprobs, packs_one_row,
                                    row_multiple)
 from fgrpo.algorithm.losses import LossSettings, policy_loss
+from fgrpo.learner.lora import LoraSettings, adapters_disabled, apply_lora, has_adapters, sampler_weights
 from fgrpo.learner.packing import MicroBatch, Sequence, micro_batches
 from fgrpo.infra.process_memory import release_freed_memory
 
@@ -55,6 +57,7 @@ class LearnerSettings:
     warmup_steps: int
     grad_clip: float
     mini_batches: int  # optimizer steps per batch (PPO mini-batches); 1: on-policy
+    lora: LoraSettings | None = None  # model.lora: adapters trained instead of every weight (fgrpo.learner.lora)
 
 
 class Learner:
@@ -77,6 +80,11 @@ class Learner:
 
         self.settings, self.loss, self.pad_id = settings, loss, pad_id
         self.policy = load_policy(folder, dtype=settings.dtype, device=settings.device, attention=settings.attention)
+        if settings.lora is not None:  # before the layers compile: the adapters are part of them
+            trainable = apply_lora(self.policy, settings.lora)
+            log.info("LoRA rank %d on %s: %.2fM trained parameters of %.2fM", settings.lora.rank,
+                     ", ".join(settings.lora.target_modules or ["every linear layer"]), trainable / 1e6,
+                     sum(p.numel() for p in self.policy.parameters()) / 1e6)
         if settings.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         if settings.compile and not compile_decoder_layers(self.policy, grad_only=generates,
@@ -90,15 +98,16 @@ class Learner:
         if self.sharded:
             shard_policy(self.policy, device=settings.device, autocast_dtype=settings.autocast_dtype,
                          cpu_offload=settings.cpu_offload)
-        self.reference = None
-        if loss.kl_coef > 0:
+        self.reference = None  # with LoRA the KL reference is the policy with its adapters off (no second copy)
+        if loss.kl_coef > 0 and settings.lora is None:
             self.reference = load_policy(folder, dtype=settings.dtype, device=settings.device,
                                          attention=settings.attention).eval().requires_grad_(False)
             if self.sharded:
                 shard_policy(self.reference, device=settings.device, autocast_dtype=settings.autocast_dtype,
                              cpu_offload=settings.cpu_offload)
         # fused: one kernel over all parameters (on CPU 9x faster than the default per-tensor loop, same math)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=settings.lr, betas=tuple(settings.betas),
+        trained = [p for p in self.policy.parameters() if p.requires_grad]  # all, or LoRA's adapters alone
+        self.optimizer = torch.optim.AdamW(trained, lr=settings.lr, betas=tuple(settings.betas),
                                            weight_decay=settings.weight_decay, fused=True)
         # linear warm-up, then constant (the paper: constant lr after 15 warm-up steps)
         warmup = max(settings.warmup_steps, 0)
@@ -160,6 +169,8 @@ class Learner:
                 return
             if getattr(self.policy.config, "tie_word_embeddings", False):  # gathered as a copy: HF would save it twice
                 state.pop("lm_head.weight", None)
+        if state is None and has_adapters(self.policy):  # the merged weights, as a plain HF model (the base untouched)
+            state = dict(sampler_weights(self.policy))
         self.policy.save_pretrained(folder, state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
@@ -362,9 +373,9 @@ def _micro_batch_loss(model, micro: MicroBatch, loss: LossSettings, counts: dict
         old_logp = logp.detach()
     advantages = torch.tensor([s.advantage for s in micro.seqs], dtype=logp.dtype, device=logp.device)
     ref_logp = None
-    if loss.kl_coef > 0:
-        with torch.no_grad():
-            ref_logp, _, _ = completion_logprobs(ref_model, micro.seqs, **rows)
+    if loss.kl_coef > 0:  # no reference model: the policy's base, its LoRA adapters off (fgrpo.learner.lora)
+        with torch.no_grad(), adapters_disabled(model) if ref_model is None else contextlib.nullcontext():
+            ref_logp, _, _ = completion_logprobs(ref_model if ref_model is not None else model, micro.seqs, **rows)
     micro_loss, metrics = policy_loss(
         loss.algo, logp, old_logp, advantages, mask, clip_low=loss.clip_low, clip_high=loss.clip_high, agg=loss.agg,
         ref_logp=ref_logp, kl_coef=loss.kl_coef, entropy=entropy if loss.entropy_coef > 0 else None,

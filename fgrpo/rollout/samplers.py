@@ -18,6 +18,7 @@ import torch
 from fgrpo.infra.errors import ConfigError
 from fgrpo.infra.distributed import whole
 from fgrpo.learner.forward import SHARDED_PASS, compute_device, mixed_precision
+from fgrpo.learner.lora import sampler_weights
 from fgrpo.infra.process_memory import discard_pages
 from fgrpo.infra.errors import SamplerUnavailable
 
@@ -174,7 +175,8 @@ class VLLMSampler:
         tied = getattr(model.config, "tie_word_embeddings", False)
         # cast to the engine's dtype here: one copy per tensor, and no per-tensor dtype warnings; a sharded learner's
         # tensor is gathered whole first (every rank in the same order: each gather is a collective)
-        weights = ((name, whole(tensor).detach().to(self.dtype)) for name, tensor in model.state_dict().items()
+        # LoRA adapters merged out of place under the base's names (fgrpo.learner.lora); else the state dict as it is
+        weights = ((name, tensor.detach().to(self.dtype)) for name, tensor in sampler_weights(model, whole)
                    if not (tied and name == "lm_head.weight"))
         # reload_weights re-runs the post-load weight processing (CPU kernels prepack weights), which
         # a bare model.load_weights would skip
@@ -341,8 +343,8 @@ class HFSampler:
         return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def update_weights(self, model):
-        if model is not self.model:
-            self.model.load_state_dict(model.state_dict())
+        if model is not self.model:  # another model than the policy: its weights, LoRA adapters merged in
+            self.model.load_state_dict(dict(sampler_weights(model)))
 
     def release_memory(self) -> int:
         return 0  # generate's KV cache is freed when generate returns; the weights are the learner's

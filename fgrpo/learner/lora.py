@@ -1,0 +1,112 @@
+"""LoRA adapters on the policy (``model.lora``), through peft: the learner trains the adapters only, the base weights
+stay frozen, the KL reference is the base (the adapters switched off: no second copy), and the sampler gets merged
+weights computed out of place (the learner's base is never changed, so resume and the reference stay exact).
+
+peft's adapters are injected into the model as it is (``inject_adapter_in_model``), not wrapped in a ``PeftModel``:
+the learner's own access to the model (``model.base_model.layers``, the LM head, the FSDP2 units, the compiled
+layers) sees the same modules, each targeted ``nn.Linear`` replaced by a LoRA layer holding it as ``base_layer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from fgrpo.infra.errors import ConfigError
+
+ADAPTER = "default"  # peft's name of the one adapter
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """``model.lora``: rank r, scale alpha / r, dropout on the adapters' input, and the names of the linear layers
+    they go on (None: every linear layer of the decoder, attention and MLP projections, not the LM head)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...] | None
+
+
+def linear_layer_names(model) -> list[str]:
+    """The distinct names (last part) of ``model``'s linear layers below the LM head: what ``target_modules`` may name."""
+    head = model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and module is not head})
+
+
+def apply_lora(model, settings: LoraSettings) -> int:
+    """Inject LoRA adapters into ``model`` in place, freeze every other weight, keep the adapters in fp32; returns
+    the number of trainable parameters. Target modules that match nothing: a ConfigError listing the linear layers
+    there are."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    names = linear_layer_names(model)
+    targets = list(settings.target_modules) if settings.target_modules else names
+    unknown = [t for t in targets if t not in names]
+    if unknown:
+        raise ConfigError(f"model.lora.target_modules={list(settings.target_modules or [])}: {unknown} match no linear "
+                          f"layer of this model; its linear layers are {names} (null: all of them)")
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                        target_modules=targets, bias="none")
+    model.requires_grad_(False)
+    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    trainable = 0
+    for name, param in model.named_parameters():
+        if is_adapter_weight(name):
+            param.data = param.data.float()  # trained weights in fp32 whatever the base's dtype
+            param.requires_grad_(True)
+            trainable += param.numel()
+    return trainable
+
+
+def is_adapter_weight(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def has_adapters(model) -> bool:
+    return any(_is_lora_layer(module) for module in model.modules())
+
+
+def _is_lora_layer(module) -> bool:
+    # peft not imported: no adapter was injected (apply_lora imports it), and a machine without peft runs as before
+    lora = sys.modules.get("peft.tuners.lora")
+    return lora is not None and isinstance(module, lora.LoraLayer)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Inside: ``model`` computes with its base weights alone (the KL term's reference model); a no-op without
+    adapters."""
+    layers = [module for module in model.modules() if _is_lora_layer(module)] if has_adapters(model) else []
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def sampler_weights(model, whole=lambda t: t) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of ``model``'s weights under the base model's own names, each LoRA layer's weight merged out
+    of place (``W + scale * B @ A``, in the base weight's dtype); ``whole`` gathers a sharded tensor. Without adapters:
+    the state dict as it is."""
+    modules = dict(model.named_modules())
+    for name, tensor in model.state_dict().items():
+        if is_adapter_weight(name):
+            continue
+        if ".base_layer." not in name:
+            yield name, whole(tensor)
+            continue
+        owner, leaf = name.split(".base_layer.")
+        weight = whole(tensor)
+        if leaf == "weight":
+            layer = modules[owner]
+            delta = whole(layer.lora_B[ADAPTER].weight) @ whole(layer.lora_A[ADAPTER].weight)
+            weight = (weight.float() + layer.scaling[ADAPTER] * delta).to(weight.dtype)
+        yield f"{owner}.{leaf}", weight
