@@ -150,7 +150,8 @@ def save_checkpoint(run_dir: Path, policy, optimizer, state: TrainerState, *, ke
             (partial / RNG).mkdir(parents=True)
 
     def write():
-        model_state, optimizer_state = get_state_dict(policy, optimizer)
+        model_state, optimizer_state = get_state_dict(policy, optimizer, options=_trained_only())
+        model_state = _without_frozen(policy, model_state)
         _dcp("save", {"model": model_state, "optimizer": optimizer_state}, partial / WEIGHTS)
         _save_synced(capture_rng(), partial / RNG / f"rank_{distributed.rank()}.pt")
         if ranks_main:
@@ -271,6 +272,21 @@ class Resumed:
     rng: dict  # this rank's random states at the save: restore_rng() them just before the next step
 
 
+def _trained_only(strict: bool = True):
+    """The weights a checkpoint holds: those that train (all of them, or LoRA's adapters alone: the frozen base comes
+    from the model's folder again, as it did at the start; fgrpo.learner.lora)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
+
+
+def _without_frozen(policy, model_state: dict) -> dict:
+    """``model_state`` less the frozen weights that torch's ``ignore_frozen_params`` keeps under a second name (a tied
+    LM head is the frozen embedding: 113 MB for SmolLM2)."""
+    frozen = {name for name, param in policy.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    return {name: value for name, value in model_state.items() if name not in frozen}
+
+
 def load_checkpoint(path: Path, policy, optimizer=None) -> Resumed:
     """Load checkpoint ``path`` into ``policy`` (and ``optimizer``), sharded or not, whatever the world size that
     saved it. Every rank calls this. The random states returned are this rank's (rank 0's when the saving run had
@@ -282,14 +298,15 @@ def load_checkpoint(path: Path, policy, optimizer=None) -> Resumed:
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-        model_state = get_model_state_dict(policy)
+        model_state = _without_frozen(policy, get_model_state_dict(policy, options=_trained_only()))
         _dcp("load", {"model": model_state}, path / WEIGHTS)
-        set_model_state_dict(policy, model_state)
+        set_model_state_dict(policy, model_state, options=_trained_only(strict=False))
     else:
-        model_state, optimizer_state = get_state_dict(policy, optimizer)
-        loaded = {"model": model_state, "optimizer": optimizer_state}
+        model_state, optimizer_state = get_state_dict(policy, optimizer, options=_trained_only())
+        loaded = {"model": _without_frozen(policy, model_state), "optimizer": optimizer_state}
         _dcp("load", loaded, path / WEIGHTS)
-        set_state_dict(policy, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+        set_state_dict(policy, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"],
+                       options=_trained_only(strict=False))
     rng_file = path / RNG / f"rank_{distributed.rank()}.pt"
     return Resumed(path, state, torch.load(rng_file if rng_file.is_file() else path / RNG / "rank_0.pt",
                                            weights_only=False))

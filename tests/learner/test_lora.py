@@ -198,3 +198,33 @@ def test_a_resume_that_mixes_lora_and_full_weights_is_refused(compose):
     del before_lora["model"]["lora"]  # a checkpoint written before model.lora existed
     assert experiment_differences(before_lora, lora) == ["model.lora.rank: <absent: every weight trained> -> 8"]
     assert experiment_differences(before_lora, full) == []
+
+
+def test_a_checkpoint_holds_the_adapters_and_their_moments_alone_and_loads_bitwise(tiny_model, tmp_path):
+    from fgrpo.infra import checkpoint
+    from fgrpo.learner.learner import update_policy
+
+    model, trained = with_lora(tiny_model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    update_policy(model, optimizer, make_seqs(seed=14, count=6), loss=algo("dapo"), pad_id=0, temperature=1.0,
+                  micro_batch_size=3, grad_clip=1e9, max_new_tokens=8)
+    state = checkpoint.TrainerState(step=1, stream={"epoch": 1, "cursor": 6}, scheduler={"last_epoch": 1})
+    path = checkpoint.save_checkpoint(tmp_path, model, optimizer, state, keep=1)
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(path / checkpoint.WEIGHTS)).read_metadata().state_dict_metadata
+    weights = [key for key in saved if key.startswith("model.")]
+    assert weights and all(".lora_" in key for key in weights), [k for k in weights if ".lora_" not in k]
+    assert sum(saved[key].size.numel() for key in weights) == trained
+
+    other, _ = with_lora(tiny_model)  # the base from the same weights, fresh adapters
+    other_optimizer = torch.optim.AdamW([p for p in other.parameters() if p.requires_grad], lr=1e-2)
+    checkpoint.load_checkpoint(path, other, other_optimizer)
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    def moments(opt):
+        return [v for s in opt.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
+
+    assert len(moments(other_optimizer)) == 2 * len(other_optimizer.param_groups[0]["params"])
+    assert all(torch.equal(a, b) for a, b in zip(moments(optimizer), moments(other_optimizer), strict=True))
+    assert any(m.abs().sum() > 0 for m in moments(other_optimizer))  # B's moved (A's gradient is 0 while B is)
