@@ -36,7 +36,7 @@ from fgrpo.learner.compiled_layers import auto_kept_matmul_gib, require_cpp_comp
 from fgrpo.learner.flex_attention import flex_available
 from fgrpo.learner.gpu_memory import fit_learner_to_gpus
 from fgrpo.learner.learner import LearnerSettings
-from fgrpo.learner.lora import LoraSettings
+from fgrpo.learner.lora import lora_settings_of
 from fgrpo.learner.model import load_tokenizer, resolve_model_folder
 from fgrpo.rollout.data import Problem, arithmetic_problems, build_prompt, load_problems
 from fgrpo.rollout.samplers import HFSampler, Sampler, VLLMSampler, check_vllm_dtype, require_vllm
@@ -239,15 +239,6 @@ def settle_hardware(cfg: DictConfig, saved_config: Path | None = None, ranks: Ra
     return precision
 
 
-def lora_settings(cfg: DictConfig) -> LoraSettings | None:
-    """``model.lora`` as the learner takes it; None when off (``rank: null``)."""
-    lora = cfg.model.lora
-    if lora.rank is None:
-        return None
-    return LoraSettings(rank=lora.rank, alpha=float(lora.alpha if lora.alpha is not None else 2 * lora.rank),
-                        dropout=lora.dropout, target_modules=tuple(lora.target_modules) if lora.target_modules else None)
-
-
 def learner_settings(cfg: DictConfig) -> LearnerSettings:
     hw, trainer = cfg.hardware, cfg.trainer
     return LearnerSettings(
@@ -259,7 +250,7 @@ def learner_settings(cfg: DictConfig) -> LearnerSettings:
         micro_batch_size=hw.micro_batch_size, micro_batch_tokens=hw.micro_batch_tokens,
         share_prompts=hw.share_prompts, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay,
         warmup_steps=trainer.warmup_steps, grad_clip=trainer.grad_clip, mini_batches=trainer.mini_batches,
-        lora=lora_settings(cfg),
+        lora=lora_settings_of(cfg.model),
     )
 
 

@@ -5,6 +5,7 @@ optimizer; a Slurm job sent SIGUSR2 saves, is requeued and finishes as an uninte
 change the experiment is refused; ``python -m fgrpo.export`` writes a checkpoint as an HF folder."""
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -154,13 +155,22 @@ def test_a_deterministic_run_killed_and_resumed_ends_bitwise_as_the_default_one_
     assert_same_weights(final_weights(run_dir), final_weights(uninterrupted))
 
 
-def test_a_lora_run_killed_and_resumed_ends_bitwise_as_one_never_stopped(tmp_path):
+LORA = ("model.lora.rank=4", "trainer.lr=1e-2")
+
+
+@pytest.fixture(scope="module")
+def lora_uninterrupted(tmp_path_factory) -> Path:
+    """The 6-step LoRA run that never stopped (checkpoints at 2, 4, 6)."""
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    done = run(run_dir, *LORA)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def test_a_lora_run_killed_and_resumed_ends_bitwise_as_one_never_stopped(lora_uninterrupted, tmp_path):
     """model.lora: the checkpoint holds the adapters and their AdamW moments; resumed, the run ends with the
     uninterrupted one's merged weights, bitwise."""
-    lora = ("model.lora.rank=4", "trainer.lr=1e-2")
-    whole = tmp_path / "uninterrupted"
-    done = run(whole, *lora)
-    assert done.returncode == 0, done.stderr[-3000:]
+    lora, whole = LORA, lora_uninterrupted
     run_dir = tmp_path / "run"
     kill_during_step(run_dir, 4, *lora)
     done = run(run_dir, *lora)
@@ -170,6 +180,40 @@ def test_a_lora_run_killed_and_resumed_ends_bitwise_as_one_never_stopped(tmp_pat
     # and a full-weight config cannot go on from a LoRA checkpoint
     refused = run(run_dir, "trainer.steps=8")
     assert refused.returncode == 2 and "model.lora.rank: 4 -> None" in refused.stderr
+
+
+def test_a_lora_checkpoint_exports_as_an_adapter_or_merged_and_evaluate_takes_either(lora_uninterrupted, tmp_path):
+    """fgrpo.export of a LoRA run: the adapter in PEFT's format (PeftModel loads it over the base) or, --merged, the
+    merged model (the run's final weights, bitwise); both give the same log-probs, and fgrpo.evaluate takes the
+    adapter folder."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    def export(*extra):
+        done = subprocess.run([sys.executable, "-m", "fgrpo.export", str(lora_uninterrupted), *extra], cwd=REPO,
+                              env=LAUNCH_ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    export("--out", str(tmp_path / "adapter"))
+    export("--merged", "--out", str(tmp_path / "merged"))
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file() and not (tmp_path / "adapter" / "config.json").exists()
+    assert_same_weights(load_file(str(tmp_path / "merged" / "model.safetensors")), final_weights(lora_uninterrupted))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    base_folder = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32),
+                                        str(tmp_path / "adapter"))
+    ids = torch.tensor([[5, 17, 99, 260, 31, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits.log_softmax(-1), merged(ids).logits.log_softmax(-1),
+                                   atol=1e-5, rtol=1e-5)
+    out = tmp_path / "eval"
+    done = subprocess.run([sys.executable, "-m", "fgrpo.evaluate", f"hydra.run.dir={out}", "model=tiny_random",
+                           "sampler=hf", "logger=none", "eval.n_samples=2", "eval.max_problems=2",
+                           f"eval.model={tmp_path / 'adapter'}"], cwd=REPO, env=LAUNCH_ENV, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["eval/model_kind"] == "adapter"
 
 
 def test_two_ranks_resume_bitwise_and_their_checkpoint_loads_in_one_process(tmp_path):

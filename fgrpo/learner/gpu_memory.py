@@ -15,6 +15,7 @@ outputs from the card's memory where they are ``auto`` (:func:`auto_gpu_layout`)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,13 +69,25 @@ class LearnerMemory:
 def learner_memory(*, params: int, layer_params: int, root_params: int, hidden: int, layers: int,
                    weight_dtype: str, compute_dtype: str, world: int, sharded: bool, cpu_offload: bool,
                    checkpointing: bool, micro_batch_tokens: int, reference: bool = False,
-                   logits_block_bytes: int = 2**30, unsharded_gradients: bool = False) -> LearnerMemory:
+                   logits_block_bytes: int = 2**30, unsharded_gradients: bool = False,
+                   adapter_params: int = 0) -> LearnerMemory:
     """The estimate of this module's docstring, in bytes per GPU. ``sharded``: FSDP2 (several ranks, or
     ``hardware.fsdp``); ``cpu_offload`` counts only when sharded. ``logits_block_bytes``: the LM head's block
     (fgrpo.learner.logprobs.CHUNK_BYTES for the device). ``unsharded_gradients`` (``hardware.sync_grads_once``,
-    sharded): each rank accumulates whole fp32 gradients on its GPU until the step's last micro-batch reduces them."""
+    sharded): each rank accumulates whole fp32 gradients on its GPU until the step's last micro-batch reduces them.
+    ``adapter_params`` (LoRA, ``model.lora``): the base (``params``) frozen in ``weight_dtype`` without gradients or
+    moments, the adapters trained in fp32 (weights, gradients, two moments: 16 bytes each); the KL reference is
+    the base itself (nothing more)."""
     offloaded = cpu_offload and sharded
     state = 0 if offloaded else params * BYTES[weight_dtype] / world
+    if adapter_params:
+        trained = 0 if offloaded else adapter_params * BYTES["float32"] / world
+        return dataclasses.replace(
+            learner_memory(params=params, layer_params=layer_params, root_params=root_params, hidden=hidden,
+                           layers=layers, weight_dtype=weight_dtype, compute_dtype=compute_dtype, world=world,
+                           sharded=sharded, cpu_offload=cpu_offload, checkpointing=checkpointing,
+                           micro_batch_tokens=micro_batch_tokens, logits_block_bytes=logits_block_bytes),
+            weights=state + trained, gradients=trained, moments=2 * trained, reference=0.0)
     # whole fp32 gradients until the last micro-batch, and then the shards they are reduced into beside them
     gradients = params * BYTES["float32"] + state if unsharded_gradients and sharded else state
     residual = BYTES[residual_dtype(weight_dtype=weight_dtype, compute_dtype=compute_dtype, sharded=sharded)]
@@ -103,6 +116,19 @@ def model_shape(folder: Path) -> dict[str, int]:
     layer_params = sum(p.numel() for p in layers[0].parameters()) if layers is not None else 0
     return dict(params=params, layer_params=layer_params, root_params=params - layer_params * config.num_hidden_layers,
                 hidden=config.hidden_size, layers=config.num_hidden_layers)
+
+
+def adapter_params(folder: Path, lora) -> int:
+    """How many parameters LoRA's adapters (``lora``: fgrpo.learner.lora.LoraSettings) add to the model in
+    ``folder``, from its config alone (injected into a model on the meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fgrpo.learner.lora import apply_lora
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return apply_lora(model, lora)
 
 
 # hardware.micro_batch_tokens=auto on a GPU: a multiple of this many token slots, at most the maximum
@@ -136,8 +162,13 @@ def fit_learner_to_gpus(folder: Path, cfg, world: int) -> None:
     activations, cannot fit beside vLLM's share, naming the options."""
     import torch
 
+    from fgrpo.learner.lora import lora_settings_of
+
     hw = cfg.hardware
     shape = model_shape(folder)
+    lora = lora_settings_of(cfg.model)
+    if lora is not None:
+        shape["adapter_params"] = adapter_params(folder, lora)
     card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     vllm_share = hw.sampler_gpu_memory_utilization if cfg.sampler.name == "vllm" else 0.0
     available = card * (1 - vllm_share)
@@ -184,8 +215,10 @@ def check_learner_fits_gpus(shape: dict, cfg, world: int, *, card: float, availa
     sharded = world > 1 or hw.fsdp
     estimate = _estimate(cfg, shape, world, world, tokens)
     total = estimate.total + kept
+    trains = (f"LoRA adapters of {shape['adapter_params'] / 1e6:.1f}M parameters" if shape.get("adapter_params")
+              else "AdamW")
     what = (f"the learner of {cfg.model.name} ({shape['params'] / 1e9:.2f}B parameters, {hw.learner_dtype} weights "
-            f"with AdamW) needs about {total / GIB:.0f} GiB per GPU with {world} "
+            f"with {trains}) needs about {total / GIB:.0f} GiB per GPU with {world} "
             f"process{'es' if world > 1 else ''} ({estimate.describe()}"
             + (f", kept matmul outputs {kept / GIB:.1f}" if kept else "") + f" GiB) but each GPU has {available / GIB:.0f} "
             f"GiB for it ({card / GIB:.0f} GiB, less vLLM's hardware.sampler_gpu_memory_utilization={vllm_share:g})")

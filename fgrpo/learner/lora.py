@@ -110,3 +110,55 @@ def sampler_weights(model, whole=lambda t: t) -> Iterator[tuple[str, torch.Tenso
             delta = whole(layer.lora_B[ADAPTER].weight) @ whole(layer.lora_A[ADAPTER].weight)
             weight = (weight.float() + layer.scaling[ADAPTER] * delta).to(weight.dtype)
         yield f"{owner}.{leaf}", weight
+
+
+def lora_settings_of(model_cfg) -> LoraSettings | None:
+    """``model.lora`` of a config (a DictConfig or a saved run's dict) as :class:`LoraSettings`; None when off (no
+    rank, or a config from before ``model.lora`` existed)."""
+    lora = model_cfg.get("lora") or {}
+    if lora.get("rank") is None:
+        return None
+    targets = lora.get("target_modules")
+    return LoraSettings(rank=int(lora["rank"]), alpha=float(lora.get("alpha") or 2 * lora["rank"]),
+                        dropout=float(lora.get("dropout") or 0.0), target_modules=tuple(targets) if targets else None)
+
+
+def save_adapter(model, settings: LoraSettings, folder, base_folder) -> None:
+    """The adapters of ``model`` in PEFT's own format (``adapter_config.json``, ``adapter_model.safetensors``), for
+    ``PeftModel.from_pretrained(base, folder)`` (or vLLM's LoRA loading) over the base model in ``base_folder``."""
+    from pathlib import Path
+
+    from peft import LoraConfig, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                        target_modules=list(settings.target_modules or linear_layer_names(model)), bias="none",
+                        task_type="CAUSAL_LM", base_model_name_or_path=str(base_folder))
+    config.save_pretrained(str(folder))
+    # a PeftModel names its base "base_model.model."; the adapter's name is left out of the keys
+    state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
+    save_file({f"base_model.model.{name}": tensor.detach().contiguous() for name, tensor in state.items()},
+              str(folder / "adapter_model.safetensors"))
+
+
+def is_adapter_folder(folder) -> bool:
+    from pathlib import Path
+
+    return (Path(folder) / "adapter_config.json").is_file()
+
+
+def merge_adapter_folder(adapter_folder, out) -> None:
+    """An adapter folder (PEFT's format) merged into its base model, written as an HF folder at ``out``."""
+    from pathlib import Path
+
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_folder = PeftConfig.from_pretrained(str(adapter_folder)).base_model_name_or_path
+    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(adapter_folder)).merge_and_unload()
+    merged.save_pretrained(str(out))
+    tokenizer_folder = adapter_folder if (Path(adapter_folder) / "tokenizer_config.json").is_file() else base_folder
+    AutoTokenizer.from_pretrained(str(tokenizer_folder)).save_pretrained(str(out))

@@ -14,6 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 from fgrpo.infra import checkpoint
 from fgrpo.infra.errors import CheckpointError, ConfigError
 from fgrpo.infra.run_files import CHECKPOINTS, FINAL_MODEL, SAVED_CONFIG
+from fgrpo.learner.lora import (apply_lora, is_adapter_folder, lora_settings_of, merge_adapter_folder, sampler_weights,
+                                save_adapter)
 from fgrpo.learner.model import hub_folder, load_policy, load_tokenizer, resolve_model_folder
 
 # what must match between a trained run and this command's model group: how the prompts are written
@@ -25,7 +27,7 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 class ModelSource:
     """Where ``eval.model`` points, found before anything loads."""
 
-    kind: str  # "model group" | "hf folder" | "checkpoint" | "hub"
+    kind: str  # "model group" | "hf folder" | "checkpoint" | "adapter" | "hub"
     location: str | None  # the folder, checkpoint folder or hub id; None for the model group's own weights
     step: int | None  # the training step of the weights, when known
     run_model: dict | None  # the training run's model config, to check the prompt format against
@@ -55,6 +57,8 @@ def locate_model(spec: str | None) -> ModelSource:
                               "pass another checkpoint or the run directory (its newest readable one)") from error
         return ModelSource("checkpoint", str(path), state.step, state.config.get("model"))
     run_config = _saved_run_config(path) or _saved_run_config(path.parent)
+    if is_adapter_folder(path):  # a LoRA adapter in PEFT's format (fgrpo.export of a LoRA run): merged before use
+        return ModelSource("adapter", str(path), None, None)
     if (path / "config.json").is_file():  # an HF folder: a run's final_model, an export, a download
         step = run_config["trainer"]["steps"] if run_config and path.name == FINAL_MODEL else None
         return ModelSource("hf folder", str(path), step, run_config["model"] if run_config and step is not None else None)
@@ -94,7 +98,10 @@ def model_folder(source: ModelSource, cfg: DictConfig, out_dir: Path) -> Path:
         return resolve_model_folder(cfg.model)
     if source.kind == "checkpoint":
         location = Path(source.location)
-        return export_checkpoint(location.parent.parent, step=source.step, out=out_dir / "model")
+        return export_checkpoint(location.parent.parent, step=source.step, out=out_dir / "model", merged=True)
+    if source.kind == "adapter":
+        merge_adapter_folder(source.location, out_dir / "model")
+        return out_dir / "model"
     if source.kind == "hub":
         return hub_folder(source.location)
     return Path(source.location)
@@ -119,15 +126,24 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     return path
 
 
-def export_checkpoint(run_dir: Path, *, step: int | None = None, out: Path | None = None) -> Path:
-    """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as an HF folder; returns the folder."""
+def export_checkpoint(run_dir: Path, *, step: int | None = None, out: Path | None = None,
+                      merged: bool = False) -> Path:
+    """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as an HF folder; returns the folder. A LoRA run's
+    (``model.lora``) is its adapter in PEFT's format over the base model's folder, or with ``merged`` the merged
+    model as an HF folder."""
     path = find_checkpoint(run_dir, step)
     state = checkpoint.read_trainer_state(path)
     model_cfg = OmegaConf.create(state.config["model"])
     folder = resolve_model_folder(model_cfg)
     policy = load_policy(folder, dtype=state.config["hardware"]["learner_dtype"], device="cpu", attention="sdpa")
+    lora = lora_settings_of(state.config["model"])
+    if lora is not None:
+        apply_lora(policy, lora)
     checkpoint.load_checkpoint(path, policy)
     out = Path(out) if out is not None else Path(run_dir) / "export" / checkpoint.step_name(state.step)
-    policy.save_pretrained(out)
+    if lora is not None and not merged:
+        save_adapter(policy, lora, out, folder)
+    else:
+        policy.save_pretrained(out, state_dict=dict(sampler_weights(policy)) if lora is not None else None)
     load_tokenizer(folder).save_pretrained(out)
     return out
