@@ -228,3 +228,27 @@ def test_a_checkpoint_holds_the_adapters_and_their_moments_alone_and_loads_bitwi
     assert len(moments(other_optimizer)) == 2 * len(other_optimizer.param_groups[0]["params"])
     assert all(torch.equal(a, b) for a, b in zip(moments(optimizer), moments(other_optimizer), strict=True))
     assert any(m.abs().sum() > 0 for m in moments(other_optimizer))  # B's moved (A's gradient is 0 while B is)
+
+
+def test_a_bf16_base_trains_fp32_adapters(tiny_model):
+    """hardware.learner_dtype=bfloat16 with LoRA (allowed: the base is frozen): the adapters stay fp32, get fp32
+    gradients and move; the merged weights for the sampler are bf16 like the base."""
+    from fgrpo.learner.learner import update_policy
+
+    model, _ = with_lora(copy.deepcopy(tiny_model).to(torch.bfloat16))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in trained]
+    optimizer = torch.optim.AdamW(trained, lr=1e-2)
+    update_policy(model, optimizer, make_seqs(seed=15, count=6), loss=algo("dapo"), pad_id=0, temperature=1.0,
+                  micro_batch_size=3, grad_clip=1e9, max_new_tokens=8, autocast_dtype=torch.bfloat16)
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in trained)
+    assert any(not torch.equal(p, b) for p, b in zip(trained, before))
+    assert all(t.dtype == torch.bfloat16 for _, t in sampler_weights(model))
+
+
+def test_bf16_base_weights_are_allowed_with_lora_only(compose):
+    from fgrpo.config import validate
+
+    with pytest.raises(ConfigError, match="hardware.learner_dtype='bfloat16'"):
+        validate(compose("hardware.learner_dtype=bfloat16", "trainer.lr=1e-6"))
+    validate(compose("hardware.learner_dtype=bfloat16", "trainer.lr=1e-6", "model.lora.rank=16"))
