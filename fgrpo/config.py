@@ -432,10 +432,6 @@ def validate_layout(cfg: DictConfig | Config, world: int) -> None:
         problems.append(f"trainer.prompts_per_step={prompts} does not divide over {world} processes (each rank takes "
                         f"an equal share of the prompts): use a multiple of {world} (e.g. {world * -(-prompts // world)})"
                         + launch)
-    if cfg.model.lora.rank is not None and (world > 1 or cfg.hardware.fsdp):
-        problems.append(f"model.lora.rank={cfg.model.lora.rank} with a sharded learner ({world} processes, "
-                        f"hardware.fsdp={cfg.hardware.fsdp}): LoRA runs in one unsharded process for now; launch one "
-                        "process without hardware.fsdp, or set model.lora.rank=null")
     if world % tensor_parallel:
         problems.append(f"sampler.tensor_parallel_size={tensor_parallel} does not divide the {world} processes "
                         "(each vLLM engine spans that many ranks): use a divisor of the world size, e.g. 1")

@@ -182,6 +182,31 @@ def test_a_lora_run_killed_and_resumed_ends_bitwise_as_one_never_stopped(lora_un
     assert refused.returncode == 2 and "model.lora.rank: 4 -> None" in refused.stderr
 
 
+def test_a_lora_run_on_two_ranks_ends_as_one_process_does(lora_uninterrupted, tmp_path):
+    """model.lora with the learner sharded over 2 ranks (FSDP2 on gloo, the adapters sharded with their layers): the
+    run ends with one process's merged weights, up to fp32 AdamW's sign flips of tiny gradients (a weight moves by
+    at most about 2 lr times the adapters' scale where one flips)."""
+    run_dir = tmp_path / "run"
+    done = run(run_dir, *LORA, ranks=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    mine, theirs = final_weights(run_dir), final_weights(lora_uninterrupted)
+    assert mine.keys() == theirs.keys()
+    moved = [name for name in theirs if not torch.equal(theirs[name], initial_weights()[name])]
+    assert moved and all(name.endswith("_proj.weight") for name in moved)
+    for name in theirs:
+        assert (mine[name] - theirs[name]).abs().max() < 0.1, name
+
+
+def initial_weights() -> dict:
+    from safetensors.torch import load_file
+
+    from fgrpo.learner.model import random_folder
+
+    return load_file(str(random_folder(dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=1,
+                                            max_position_embeddings=1024), seed=0) / "model.safetensors"))
+
+
 def test_a_lora_checkpoint_exports_as_an_adapter_or_merged_and_evaluate_takes_either(lora_uninterrupted, tmp_path):
     """fgrpo.export of a LoRA run: the adapter in PEFT's format (PeftModel loads it over the base) or, --merged, the
     merged model (the run's final weights, bitwise); both give the same log-probs, and fgrpo.evaluate takes the

@@ -159,18 +159,19 @@ class Learner:
         self.scheduler.load_state_dict(state["scheduler"])
 
     def save_pretrained(self, folder: Path, tokenizer=None) -> None:
-        """The policy as an HF folder; sharded, every rank takes part in gathering the weights and rank 0 writes."""
+        """The policy as an HF folder (LoRA: the merged weights, the base untouched); sharded, every rank takes part in
+        gathering the weights and rank 0 writes."""
         state = None
-        if self.sharded:
+        if has_adapters(self.policy):
+            state = {name: tensor.detach().cpu() for name, tensor in sampler_weights(self.policy, distributed.whole)}
+        elif self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             state = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if not torch.distributed.get_rank() == 0:
-                return
-            if getattr(self.policy.config, "tie_word_embeddings", False):  # gathered as a copy: HF would save it twice
-                state.pop("lm_head.weight", None)
-        if state is None and has_adapters(self.policy):  # the merged weights, as a plain HF model (the base untouched)
-            state = dict(sampler_weights(self.policy))
+        if self.sharded and torch.distributed.get_rank() != 0:
+            return
+        if state is not None and getattr(self.policy.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # a copy of the embedding: HF would save it twice
         self.policy.save_pretrained(folder, state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)

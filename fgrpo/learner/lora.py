@@ -35,8 +35,17 @@ class LoraSettings:
 def linear_layer_names(model) -> list[str]:
     """The distinct names (last part) of ``model``'s linear layers below the LM head: what ``target_modules`` may name."""
     head = model.get_output_embeddings()
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                   if isinstance(module, torch.nn.Linear) and module is not head})
+    names = set()
+    for name, module in model.named_modules():
+        if _is_lora_layer(module):  # an adapted layer counts under its own name, not its base layer's or adapters'
+            names.add(name.rsplit(".", 1)[-1])
+        elif isinstance(module, torch.nn.Linear) and module is not head and not _inside_adapter(name):
+            names.add(name.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def _inside_adapter(name: str) -> bool:
+    return ".base_layer" in name or ".lora_" in name
 
 
 def apply_lora(model, settings: LoraSettings) -> int:

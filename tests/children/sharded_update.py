@@ -8,6 +8,7 @@ rank 0 runs more micro-batches than rank 1, which must pad with fillers or the j
 timeout turns a hang into a failure).
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fgrpo.infra import distributed  # noqa: E402
 from fgrpo.learner.learner import fill_old_logprobs, shard_policy, update_policy  # noqa: E402
+from fgrpo.learner.lora import sampler_weights  # noqa: E402
 from fgrpo.learner.segment_attention import SEGMENT_ATTENTION  # noqa: E402
 from learner_cases import algo, grouped_seqs  # noqa: E402
 
@@ -41,6 +43,10 @@ CASES = {
                            layout=dict(micro_batch_size=3), sync_once=True),
     "fp32-sync-each": dict(dtype=torch.float32, loss="dapo", checkpointing=False, grad_clip=1e9,
                            layout=dict(micro_batch_size=3)),
+    # LoRA adapters (rank 4, B perturbed so that they act) over a frozen base, sharded with it; a KL term against the
+    # base (the adapters off) and an off-policy mini-batch
+    "fp32-lora": dict(dtype=torch.float32, loss="grpo", checkpointing=True, grad_clip=1e9,
+                      layout=dict(micro_batch_size=3), lora=True, old_logprobs=True),
 }
 PROMPTS, SAMPLES = 4, 4
 
@@ -74,6 +80,18 @@ def _rotary_in_fp64(self, x, position_ids):
     return (angles.cos() * self.attention_scaling).to(x.dtype), (angles.sin() * self.attention_scaling).to(x.dtype)
 
 
+def add_adapters(model) -> None:
+    """LoRA rank 4 on every projection, B drawn so that the adapters change the outputs (peft starts it at 0)."""
+    from fgrpo.learner.lora import LoraSettings, apply_lora
+
+    apply_lora(model, LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules=None))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=gen))
+
+
 def count_gradient_reductions() -> list[int]:
     """A counter of FSDP2's gradient reductions (one reduce-scatter per parameter group and backward), in a list that
     the wrapped function adds to."""
@@ -97,24 +115,31 @@ def main(case_name: str, out: Path, fsdp_alone: bool = False) -> None:
     if case["checkpointing"]:
         model.gradient_checkpointing_enable()
     autocast = case.get("autocast")
+    if case.get("lora"):
+        add_adapters(model)
     if ranks.world > 1 or fsdp_alone:
         shard_policy(model, device="cpu", autocast_dtype=str(autocast).removeprefix("torch.") if autocast else None)
     reductions = count_gradient_reductions()
     seqs = grouped_seqs(PROMPTS, SAMPLES, seed=5)
     if ranks.world == 2:  # groups 0-2 on rank 0, group 3 on rank 1
         seqs = seqs[: 3 * SAMPLES] if ranks.rank == 0 else seqs[3 * SAMPLES:]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     common = dict(pad_id=0, temperature=0.8, autocast_dtype=autocast, **case["layout"])
     if case.get("old_logprobs"):
         fill_old_logprobs(model, seqs, **common)
         # a pass without a backward must not leave the root's weights gathered (FSDP2 reshards a root after backward)
         assert ranks.world == 1 or type(model.model.embed_tokens.weight).__name__ == "DTensor"
-    metrics = update_policy(model, optimizer, seqs, loss=algo(case["loss"]), grad_clip=case["grad_clip"],
+    loss = algo(case["loss"])
+    if case.get("lora"):
+        loss = dataclasses.replace(loss, kl_coef=0.1)
+    metrics = update_policy(model, optimizer, seqs, loss=loss, grad_clip=case["grad_clip"],
                             max_new_tokens=24, sync_grads_once=case.get("sync_once", False), **common)
     params = {name: distributed.whole(p).detach().clone() for name, p in model.named_parameters()}
-    grads = {name: distributed.whole(p.grad).detach().clone() for name, p in model.named_parameters()}  # clipped, as the step used them
+    grads = {name: distributed.whole(p.grad).detach().clone() for name, p in model.named_parameters()
+             if p.grad is not None}
+    merged = {name: t.detach().clone() for name, t in sampler_weights(model, distributed.whole)}  # clipped, as the step used them
     if ranks.main:
-        torch.save({"metrics": metrics, "params": params, "grads": grads, "world": ranks.world,
+        torch.save({"metrics": metrics, "params": params, "grads": grads, "world": ranks.world, "merged": merged,
                     "reductions": reductions[0], "micro_batches": -(-len(seqs) // case["layout"]["micro_batch_size"])},
                    out)
     distributed.close()

@@ -181,13 +181,6 @@ def test_bad_lora_settings_are_refused_before_the_model_loads(compose, override,
         validate(compose("model.lora.rank=8", override))
 
 
-def test_lora_on_a_sharded_learner_is_refused_for_now(compose):
-    from fgrpo.config import validate_layout
-
-    with pytest.raises(ConfigError, match=r"model.lora.rank=8 with a sharded learner \(2 processes"):
-        validate_layout(compose("model.lora.rank=8", "trainer.prompts_per_step=8"), 2)
-
-
 def test_a_resume_that_mixes_lora_and_full_weights_is_refused(compose):
     from fgrpo.config import experiment_differences, to_container
 

@@ -59,7 +59,21 @@ def test_two_ranks_step_as_one_process(case, layout, tmp_path):
     if CASES[case]["grad_clip"] < 1:
         assert one["metrics"]["grad_norm"] > CASES[case]["grad_clip"]  # the clip bound, in both
     assert 0 <= two["metrics"]["padding_frac"] < 1 and one["metrics"]["computed_tokens"] > 0
-    assert one["params"].keys() == two["params"].keys() == two["grads"].keys()
+    assert one["params"].keys() == two["params"].keys() and one["grads"].keys() == two["grads"].keys()
+    if CASES[case].get("lora"):  # the adapters alone train, against the base as the KL reference
+        assert one["grads"] and all(".lora_" in name for name in one["grads"])
+        assert one["metrics"]["kl_ref"] > 0
+        # the sharded merge for the sampler (each adapter gathered whole): W + (alpha / r) B A of the ranks' weights
+        # (the step's weights themselves differ where fp32 AdamW flipped a tiny gradient's sign, as above)
+        params = two["params"]
+        for name, tensor in two["merged"].items():
+            owner = name.removesuffix(".weight")
+            if f"{owner}.base_layer.weight" in params:
+                merged = params[f"{owner}.base_layer.weight"] + 2.0 * (
+                    params[f"{owner}.lora_B.default.weight"] @ params[f"{owner}.lora_A.default.weight"])
+                torch.testing.assert_close(tensor, merged, rtol=1e-6, atol=1e-7, msg=name)
+            else:  # the tied LM head is the embedding, listed once among the parameters
+                assert torch.equal(tensor, params.get(name, params["model.embed_tokens.weight"])), name
     for name, grad in one["grads"].items():
         assert (two["grads"][name] - grad).norm() <= bounds["grads"] * grad.norm() + 1e-30, name
     if exact:  # AdamW's first step is about lr * sign(grad): in fp32 a tiny gradient's sign may flip, so fp64 only
