@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -135,8 +136,6 @@ def lora_settings_of(model_cfg) -> LoraSettings | None:
 def save_adapter(model, settings: LoraSettings, folder, base_folder) -> None:
     """The adapters of ``model`` in PEFT's own format (``adapter_config.json``, ``adapter_model.safetensors``), for
     ``PeftModel.from_pretrained(base, folder)`` (or vLLM's LoRA loading) over the base model in ``base_folder``."""
-    from pathlib import Path
-
     from peft import LoraConfig, get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -153,15 +152,11 @@ def save_adapter(model, settings: LoraSettings, folder, base_folder) -> None:
 
 
 def is_adapter_folder(folder) -> bool:
-    from pathlib import Path
-
     return (Path(folder) / "adapter_config.json").is_file()
 
 
 def merge_adapter_folder(adapter_folder, out) -> None:
     """An adapter folder (PEFT's format) merged into its base model, written as an HF folder at ``out``."""
-    from pathlib import Path
-
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
