@@ -15,6 +15,10 @@ second, peak RSS, and each phase's share of the machine's measured matmul FLOP/s
     python bench/compare_trl.py --workload 4x8x64 --steps 5 --out results.md
     python bench/compare_trl.py --model tiny_random --workload 2x2x8 --steps 2   # smoke run
     python bench/compare_trl.py --hardware gpu --sampler hf --model qwen2_5_1_5b_random   # one CUDA GPU
+    python bench/compare_trl.py --lora 16 --workload 8x8x32 --lr 1e-4   # both train rank-16 LoRA adapters
+
+``--lora R``: ours runs with ``model.lora.rank=R`` and TRL with a peft ``LoraConfig`` of the same rank, alpha 2R,
+no dropout, on the same linear layers (every attention and MLP projection), its ``peft_config``.
 
 TRL comes from the ``bench`` extra: ``pip install 'fgrpo[bench]'``.
 """
@@ -147,7 +151,7 @@ def run_workloads(args, systems: list[str], workloads, matmul: dict, workdir: Pa
         for system in systems:
             spec = {"workload": [p, g, t], "steps": args.steps, "lr": args.lr, "model": args.model,
                     "hardware": args.hardware, "sampler": args.sampler, "overrides": args.overrides,
-                    "trl_micro_batch": args.trl_micro_batch}
+                    "trl_micro_batch": args.trl_micro_batch, "lora": args.lora}
             sub = workdir / name
             sub.mkdir(exist_ok=True)
             if args.profile and system == "ours":
@@ -209,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trl-micro-batch", type=int,
                         help="TRL's per-device batch (gradient accumulation up to P x G); default: ours' "
                              "hardware.micro_batch_size (32)")
+    parser.add_argument("--lora", type=int, metavar="RANK",
+                        help="both train LoRA adapters of this rank (alpha 2 x rank, every projection) instead of "
+                             "every weight: ours model.lora.rank, TRL peft_config")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per child run (default 3600)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_spec", help=argparse.SUPPRESS)
@@ -227,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args._result).write_text(json.dumps(result))
         return 0
 
+    if args.lora is not None and args.lora < 1:
+        parser.error(f"--lora {args.lora}: a LoRA rank is >= 1")
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step is a warm-up and is dropped)")
     for out in args.out:
@@ -253,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     # ours' dtype keys as composed (auto, unless --set says otherwise): the matmul child settles them as the run will
     composed = compose_config({"workload": workloads[0], "model": args.model, "steps": args.steps, "lr": args.lr,
-                               "hardware": args.hardware, "sampler": args.sampler, "overrides": args.overrides}).hardware
+                               "hardware": args.hardware, "sampler": args.sampler, "overrides": args.overrides,
+                               "lora": args.lora}).hardware
     matmul_spec = {"threads": threads, "device": device,
                    "hardware": {"autocast_dtype": composed.autocast_dtype, "sampler_dtype": composed.sampler_dtype}}
     matmul = run_child("matmul", matmul_spec, workdir, workdir / "matmul.log", args.timeout)
@@ -265,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "hardware": args.hardware, "sampler": args.sampler, "overrides": args.overrides,
         "versions": ", ".join(f"{name} {package_version(name)}" for name in ("torch", "vllm", "transformers", "trl"))
                     + f", python {platform.python_version()}",
-        "model": args.model, "lr": args.lr, "steps": args.steps, "matmul": matmul, "workloads": {},
+        "model": args.model, "lr": args.lr, "steps": args.steps, "lora": args.lora, "matmul": matmul, "workloads": {},
     }
     report["workloads"] = run_workloads(args, systems, workloads, matmul, workdir)
 

@@ -41,7 +41,8 @@ def compose_config(spec: dict, seed: int = 0):
         "eval.every=0", f"seed={seed}",
         # room for the prompt beside long completions (a prompt here is about 44 tokens)
         f"sampler.max_model_len={max(512, t + 256)}",
-    ] + ([f"sampler={spec['sampler']}"] if spec.get("sampler") else []) + list(spec.get("overrides", []))
+    ] + ([f"sampler={spec['sampler']}"] if spec.get("sampler") else []) \
+      + ([f"model.lora.rank={spec['lora']}"] if spec.get("lora") else []) + list(spec.get("overrides", []))
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose("config", overrides=overrides)
 
@@ -149,6 +150,7 @@ def child_ours(spec: dict) -> dict:
     from omegaconf import OmegaConf
 
     from fgrpo.infra.run_files import read_metrics
+    from fgrpo.learner.lora import lora_settings_of
     from fgrpo.learner.model import resolve_model_folder
     from fgrpo.train import train
 
@@ -182,10 +184,11 @@ def child_ours(spec: dict) -> dict:
             "matmuls_kept_frac": row.get("perf/learner_matmuls_kept_frac", 0.0),
         })
     hw = cfg.hardware  # train() settled hardware.*_dtype=auto in place
+    lora = lora_settings_of(cfg.model)
     sampler = (f"vLLM {package_version('vllm')} ({hw.sampler_dtype})" if cfg.sampler.name == "vllm"
                else f"transformers {package_version('transformers')} generate ({hw.learner_dtype} + {hw.autocast_dtype} autocast)")
     return {"steps": steps, "params": param_counts(folder), "peak_rss_child_gib": peak_rss_self_gib(),
-            "peak_gpu_gib": peak_gpu_gib(), "profiled_step": 1 if spec.get("profile") else None, "sampler": sampler,
+            "lora": spec.get("lora"), "peak_gpu_gib": peak_gpu_gib(), "profiled_step": 1 if spec.get("profile") else None, "sampler": sampler,
             "learner_matmuls": matmul_dtype(hw.autocast_dtype or hw.learner_dtype),
             "sampler_matmuls": matmul_dtype(hw.sampler_dtype if cfg.sampler.name == "vllm"
                                             else hw.autocast_dtype or hw.learner_dtype),
@@ -193,6 +196,7 @@ def child_ours(spec: dict) -> dict:
                        + f" on {hw.device}, "
                        + (f"packed rows, micro-batches of at most {hw.micro_batch_tokens} token slots"
                           if hw.get("micro_batch_tokens") else f"micro-batch {hw.micro_batch_size}")
+                       + (f", LoRA rank {lora.rank} (alpha {lora.alpha:g})" if lora else "")
                        + (", shared prompts" if hw.get("micro_batch_tokens") and hw.get("share_prompts") else "")
                        + f", {hw.attention} attention"
                        + (", gradient checkpointing" if hw.gradient_checkpointing else "")
@@ -321,7 +325,7 @@ def child_trl(spec: dict) -> dict:
     args = trl_config(spec, cfg, micro, accumulation)
     torch.manual_seed(cfg.seed)
     trainer = TimedGRPOTrainer(model=str(folder), reward_funcs=numeric_reward, args=args, train_dataset=dataset,
-                               processing_class=tokenizer, callbacks=[StepTimer()])
+                               processing_class=tokenizer, callbacks=[StepTimer()], peft_config=trl_lora(spec, folder))
     trainer.train()
     import trl
 
@@ -329,5 +333,25 @@ def child_trl(spec: dict) -> dict:
             "peak_gpu_gib": peak_gpu_gib(), "learner_matmuls": "bf16" if on_gpu else "fp32",
             "sampler_matmuls": "bf16" if on_gpu else "fp32",
             "sampler": f"transformers {package_version('transformers')} generate ({precision})",
+            "lora": spec.get("lora"),
+            "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             "learner": f"trl {trl.__version__} GRPOTrainer ({precision}, micro-batch {micro} x {accumulation} accumulated"
-                       + (", gradient checkpointing" if args.gradient_checkpointing else "") + ")"}
+                       + (", gradient checkpointing" if args.gradient_checkpointing else "")
+                       + (f", peft LoRA rank {spec['lora']} (alpha {2 * spec['lora']})" if spec.get("lora") else "") + ")"}
+
+
+def trl_lora(spec: dict, folder):
+    """TRL's ``peft_config`` for ``--lora R``: ours' defaults (alpha 2R, no dropout, every linear layer but the
+    LM head, by the names fgrpo's own listing finds); None without ``--lora``."""
+    if not spec.get("lora"):
+        return None
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fgrpo.learner.lora import linear_layer_names
+
+    with torch.device("meta"):  # the layer names only: no weights
+        names = linear_layer_names(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)))
+    return LoraConfig(r=spec["lora"], lora_alpha=2 * spec["lora"], lora_dropout=0.0, target_modules=names,
+                      bias="none", task_type="CAUSAL_LM")

@@ -21,7 +21,9 @@ def summarise(result: dict, p: int, g: int, matmul: dict) -> dict:
     # group's shared prompt once (perf/learner_computed_tokens); TRL: every sample's prompt + completion
     computed = med.get("computed_tokens", med["prompt_tokens"] + gen)
     sampler_flops = 2 * body * (med["prompt_tokens"] + gen) + 2 * head * (gen + p * g)
-    learner_flops = 6 * (body * computed + head * gen)
+    # forward 2, backward 4 per weight; with LoRA the frozen weights get no gradient of their own (backward 2), and
+    # the adapters' own matmuls (rank r against the hidden size) are left out
+    learner_flops = (4 if result.get("lora") else 6) * (body * computed + head * gen)
     out = {
         "step_s": med["step_s"], "sample_s": med["sample_s"], "score_s": med["score_s"], "learn_s": med["learn_s"],
         "other_s": med["other_s"], "generated_tokens": gen, "prompt_tokens_per_sample": prompt_per_sample,
@@ -85,7 +87,9 @@ def markdown(report: dict) -> str:
         f"Model: {report['model']}; ours with hardware={report.get('hardware', 'cpu')}"
         + (f" sampler={report['sampler']}" if report.get("sampler") else "")
         + "".join(f" {o}" for o in report.get("overrides", []))
-        + f"; lr {report['lr']}; {report['steps']} steps per run, the first dropped.",
+        + f"; lr {report['lr']}; {report['steps']} steps per run, the first dropped"
+        + (f"; both train LoRA adapters of rank {report['lora']}, alpha {2 * report['lora']}" if report.get("lora") else "")
+        + ".",
         f"Precision: {precision_line(mm)}.",
         f"Matmul {mm['size']}^3 on " + (f"{mm['threads']} threads" if mm.get("device", "cpu") == "cpu" else mm["device"])
         + f": fp32 {mm['fp32_flops'] / 1e9:.1f} GFLOP/s, "
@@ -95,7 +99,8 @@ def markdown(report: dict) -> str:
         + (", before and after the runs: " + " and ".join(f"{r['fp32_flops'] / 1e9:.1f} / {r['bf16_flops'] / 1e9:.1f}"
                                                            for r in mm["readings"]) if "readings" in mm else "")
         + "). Each phase is also held to the matmul rate of the dtype its matmuls run in.",
-        "FLOPs: learner 6 x (body params x positions computed + head params x completion tokens), positions "
+        "FLOPs: learner 6 x (4 x with LoRA: no weight gradients) (body params x positions computed + head params x "
+        "completion tokens), positions "
         "computed = prompt+completion tokens, less a shared prompt's repeats (ours); "
         "sampler 2 x (body params x (prompt tokens x G + generated) + head params x (generated + P x G)); "
         "attention scores not counted.",

@@ -25,11 +25,15 @@ POSITIVE = ["step_s", "sample_s", "learn_s", "generated_tokens", "sampler_tok_s"
 BF16_PCT = ["sampler_pct_bf16", "learner_pct_bf16"]
 
 
-def load_module():
-    spec = importlib.util.spec_from_file_location("compare_trl", SCRIPT)
+def load_path(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_module():
+    return load_path(SCRIPT)
 
 
 def test_parse_workload():
@@ -206,3 +210,51 @@ def test_trl_learner_step_prepares_trls_batch():
     assert inputs["completion_ids"].tolist() == [[7, 8, 9], [7, 0, 0]]
     assert inputs["completion_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert inputs["advantages"].tolist() == [1.0, -1.0] and int(inputs["num_items_in_batch"]) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")
+@pytest.mark.skipif(not HAVE_TRL, reason="TRL not installed (pip install 'fgrpo[bench]'): the LoRA pair needs both")
+def test_lora_pair_trains_the_same_adapters_in_ours_and_trl(tmp_path, compose):
+    from transformers import AutoModelForCausalLM
+
+    from fgrpo.learner.lora import LoraSettings, apply_lora
+    from fgrpo.learner.model import resolve_model_folder
+
+    out = tmp_path / "result.json"
+    command = [sys.executable, str(SCRIPT), "--model", "tiny_random", "--workload", "2x2x8", "--steps", "2",
+               "--lora", "4", "--workdir", str(tmp_path / "work"), "--out", str(out)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    workload = json.loads(out.read_text())["workloads"]["2x2x8"]
+    assert "LoRA rank 4 (alpha 8)" in workload["ours"]["learner"]
+    assert "peft LoRA rank 4 (alpha 8)" in workload["trl"]["learner"]
+    assert "both train LoRA adapters of rank 4" in result.stdout
+    # TRL's peft_config adapts the same layers at the same rank: as many trained weights as ours
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_folder(compose("model=tiny_random").model))
+    ours = apply_lora(model, LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules=None))
+    assert workload["trl"]["trainable_params"] == ours > 0
+
+
+def test_a_lora_rank_below_one_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        load_module().main(["--lora", "0", "--only", "ours", "--model", "tiny_random", "--workload", "2x2x8"])
+    assert "--lora 0: a LoRA rank is >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")
+def test_lora_push_times_both_ways_and_they_sample_the_same_policy(tmp_path):
+    out = tmp_path / "push.json"
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "lora_push.py"), "--model", "tiny_random", "--rank", "4",
+                           "--workload", "2x2x8", "--steps", "2", "--dtype", "float32", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "| merged | " in done.stdout and "| vllm-lora | " in done.stdout
+    results = json.loads(out.read_text())["results"]
+    bench = load_path(REPO / "bench" / "lora_push.py")
+    for way in ("merged", "vllm-lora"):
+        assert len(results[way]["steps"]) == 2 and all(s["tokens"] == 2 * 2 * 8 for s in results[way]["steps"])
+    # fp32 both ways: vLLM's LoRA path and the merged push sample the same greedy tokens, and not the base model's
+    assert bench.agreement(results["merged"]["greedy"], results["vllm-lora"]["greedy"]) == 1.0
+    assert bench.agreement(results["merged"]["base_greedy"], results["merged"]["greedy"]) < 1.0
