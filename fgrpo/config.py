@@ -195,7 +195,7 @@ class LoggerConfig:
 class TrainerConfig:
     steps: int = 30
     prompts_per_step: int = 8
-    lr: float = 1e-5
+    lr: Optional[float] = None  # null: DEFAULT_LR, or DEFAULT_LORA_LR with model.lora (learning_rate below)
     warmup_steps: int = 2
     weight_decay: float = 0.01
     betas: list = field(default_factory=lambda: [0.9, 0.999])
@@ -285,7 +285,8 @@ def validate(cfg: DictConfig | Config) -> None:
     _check_advantage(cfg, need, METHODS)
     need(cfg.algo.kl_coef >= 0, "algo.kl_coef", cfg.algo.kl_coef, "must be >= 0")
     need(cfg.algo.entropy_coef >= 0, "algo.entropy_coef", cfg.algo.entropy_coef, "must be >= 0")
-    need(cfg.trainer.lr > 0, "trainer.lr", cfg.trainer.lr, "must be > 0 (the paper uses 1e-6)")
+    lr = learning_rate(cfg.trainer.lr, cfg.model.lora.rank)
+    need(lr > 0, "trainer.lr", cfg.trainer.lr, "must be > 0 (the paper uses 1e-6), or null for the default")
     _check_lora(cfg.model.lora, need)
     need(cfg.trainer.steps >= 0, "trainer.steps", cfg.trainer.steps, "must be >= 0")
     need(cfg.trainer.prompts_per_step >= 1, "trainer.prompts_per_step", cfg.trainer.prompts_per_step, "must be >= 1")
@@ -320,9 +321,9 @@ def validate(cfg: DictConfig | Config) -> None:
     need(cfg.hardware.learner_dtype in WEIGHT_DTYPES, "hardware.learner_dtype", cfg.hardware.learner_dtype,
          f"must be one of {WEIGHT_DTYPES}")
     kept_lr = smallest_kept_lr(cfg.hardware.learner_dtype) if cfg.hardware.learner_dtype in WEIGHT_DTYPES else 0.0
-    need(cfg.trainer.lr >= kept_lr or cfg.model.lora.rank is not None, "hardware.learner_dtype",
+    need(lr >= kept_lr or cfg.model.lora.rank is not None, "hardware.learner_dtype",
          cfg.hardware.learner_dtype,
-         f"with trainer.lr={cfg.trainer.lr:g} most updates round to nothing: an AdamW step moves a weight by about lr, "
+         f"with trainer.lr={lr:g} most updates round to nothing: an AdamW step moves a weight by about lr, "
          f"under half the {cfg.hardware.learner_dtype} spacing at a typical weight of {TYPICAL_WEIGHT} "
          f"({kept_lr:.1e}). Keep hardware.learner_dtype=float32 (fp32 master "
          "weights; hardware.autocast_dtype=bfloat16 computes in bf16) and spread the memory: more GPUs (the learner "
@@ -369,8 +370,11 @@ def _check_advantage(cfg, need, methods: tuple) -> None:
     """The advantage method, its parameter and what it combines with, through :func:`validate`'s ``need``."""
     adv = cfg.advantage
     need(adv.name in methods, "advantage.name", adv.name, f"must be one of {methods} (advantage=<name>)")
-    need(adv.name == "focal" or cfg.focal.gamma == 0, "focal.gamma", cfg.focal.gamma,
+    need(adv.name in ("focal", "mean_focal") or cfg.focal.gamma == 0, "focal.gamma", cfg.focal.gamma,
          f"weights advantage=focal only: use advantage=focal, or focal.gamma=0 with advantage={adv.name}")
+    need(adv.name != "mean_focal" or cfg.focal.gamma > 0, "focal.gamma", cfg.focal.gamma,
+         "with advantage=mean_focal must be > 0 (the focal weight whose step mean scales GRPO; at 0 it is GRPO: "
+         "advantage=focal)")
     need(adv.lam > 0, "advantage.lam", adv.lam, "must be > 0 (W-REINFORCE's weight of a correct sample; the paper: 0.1)")
     need(0 <= adv.beta <= 1, "advantage.beta", adv.beta, "must be in [0, 1] (the unlikeliness penalty; the paper: 0.25)")
     need(adv.name != "passk" or 1 <= adv.k <= cfg.algo.group_size, "advantage.k", adv.k,
@@ -412,6 +416,17 @@ def _check_learner_layout(hw, need, attentions: tuple) -> None:
 
 # the magnitude of a typical weight of a trained LLM's linear layers (Qwen2.5-7B's: std about 0.02, median |w| about
 # 0.013): the scale at which the bf16 / fp16 spacing is judged against the learning rate
+DEFAULT_LR = 1e-5  # AdamW's learning rate when every weight trains
+DEFAULT_LORA_LR = 1e-4  # with model.lora: chosen by a sweep on arith_headroom (docs/lora.md, bench/RESULTS.md)
+
+
+def learning_rate(lr: float | None, lora_rank: int | None) -> float:
+    """``trainer.lr``, or when it is null the default for what trains: LoRA adapters need a larger one."""
+    if lr is not None:
+        return lr
+    return DEFAULT_LORA_LR if lora_rank is not None else DEFAULT_LR
+
+
 TYPICAL_WEIGHT = 0.01
 
 
@@ -452,6 +467,9 @@ def experiment_differences(saved: dict, current: dict) -> list[str]:
     """``key: saved -> current`` for each config key whose change would make a resumed run another experiment
     (algo, gamma, model, data, group size, lr, seed ...); those in :data:`RESUMABLE_KEYS` may change."""
     flat_saved, flat_current = _flatten(saved), _flatten(current)
+    for flat in (flat_saved, flat_current):  # an unset lr is its default (a run saved before null meant it: 1e-5)
+        if "trainer.lr" in flat:
+            flat["trainer.lr"] = learning_rate(flat["trainer.lr"], flat.get("model.lora.rank"))
     differing = []
     # a checkpoint from before model.lora existed trained every weight: a LoRA config cannot go on from it
     if "model.lora.rank" not in flat_saved and flat_current.get("model.lora.rank") is not None:

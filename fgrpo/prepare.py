@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fgrpo.algorithm.advantage_settings import AdvantageSettings
 from fgrpo.algorithm.losses import LossSettings
-from fgrpo.config import to_container, validate, validate_layout
+from fgrpo.config import learning_rate, to_container, validate, validate_layout
 from fgrpo.evaluation.rare_set import RareSet, check_vocabulary, load_rare_set
 from fgrpo.infra import distributed
 from fgrpo.infra.checkpoint import Resumed
@@ -248,7 +248,7 @@ def learner_settings(cfg: DictConfig) -> LearnerSettings:
         sync_grads_once=hw.sync_grads_once,
         kept_matmul_gib=hw.keep_matmul_outputs_gib,
         micro_batch_size=hw.micro_batch_size, micro_batch_tokens=hw.micro_batch_tokens,
-        share_prompts=hw.share_prompts, lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay,
+        share_prompts=hw.share_prompts, lr=learning_rate(trainer.lr, cfg.model.lora.rank), betas=tuple(trainer.betas), weight_decay=trainer.weight_decay,
         warmup_steps=trainer.warmup_steps, grad_clip=trainer.grad_clip, mini_batches=trainer.mini_batches,
         lora=lora_settings_of(cfg.model),
     )

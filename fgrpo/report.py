@@ -27,6 +27,16 @@ how much training varies from seed to seed.
 
 ``--seeds 0,1`` reports only the runs of those seeds (the others are left out, not counted as failed): the pooled
 test then compares cells over the same seeds, when some cells have run more seeds than others.
+
+``report.md``'s "Paired over seeds" section pairs each gamma != 0 row with gamma = 0 of its algo seed by seed: the
+per-seed differences of pass@1, pass@16 and pass@k, their mean with a 95% t interval, the paired t-test and the exact
+sign-flip test (:mod:`fgrpo.evaluation.seed_stats`); a pair whose cells ran different seeds is named instead.
+
+    python -m fgrpo.report DIR --variance     # run-to-run variance split: training / problem x seed / sampling
+    python -m fgrpo.report DIR --plan --effect 4 --alpha 0.01 [--power 0.8] [--metric pass@16]  # pairs needed
+
+These two print only. They read every run under DIR (several sweeps at once: cells are also told apart by any other
+config key that differs, e.g. trainer.mini_batches), but refuse runs evaluated differently.
 """
 
 from __future__ import annotations
@@ -38,7 +48,9 @@ from pathlib import Path
 from fgrpo.evaluation.sweep_report import (SIGNIFICANCE_ITERATIONS, build_table, format_markdown, format_text,
                                            plot_curves, plot_success_rates, runs_table, seeds_table,
                                            significance_columns, significance_note)
-from fgrpo.evaluation.sweep_runs import ReportError, check_same_config, find_missing_jobs, find_runs, largest_final_k
+from fgrpo.evaluation.sweep_runs import (ReportError, check_same_config, find_missing_jobs, find_runs, largest_final_k,
+                                       pass_at_ks)
+from fgrpo.evaluation.seed_stats import PAIRED_NOTE, paired_tables, plan_text, variance_table
 
 
 def report(sweep_dir: Path, out_dir: Path | None = None, *,
@@ -76,6 +88,8 @@ def report(sweep_dir: Path, out_dir: Path | None = None, *,
         seed_md = ("\n## Over seeds\n\n" + format_markdown(seed_header, seed_rows) + "\n\n"
                    + "\n".join(f"{line}\n" for line in seed_notes))
         seed_text = "\n".join([format_text(seed_header, seed_rows), *seed_notes, ""])
+        paired_md, paired_text = _paired_section(runs, k)
+        seed_md, seed_text = seed_md + paired_md, seed_text + paired_text
     (out_dir / "report.md").write_text(
         f"# Sweep report: {sweep_dir}\n\n{note}\n\n{format_markdown(header, rows)}\n"
         + "\n" + "\n".join(f"{line}\n" for line in sig_notes)
@@ -91,6 +105,38 @@ def report(sweep_dir: Path, out_dir: Path | None = None, *,
                       *([seed_text] if seed_text else []), format_text(run_header, run_rows), "",
                       f"wrote {', '.join(str(out_dir / name) for name in written)}"])
     return text
+
+
+def _paired_section(runs: list, k: int) -> tuple[str, str]:
+    """report.md's "Paired over seeds" section and its printed text: pass@1, pass@16 (when logged) and pass@k."""
+    logged = {f"pass@{logged_k}" for r in runs if r.status == "completed"
+              for logged_k in pass_at_ks(r.final)}
+    metrics = [m for m in dict.fromkeys(["pass@1", "pass@16", f"pass@{k}"]) if m in logged]
+    tables = paired_tables(runs, metrics)
+    if not tables:
+        return "", ""
+    md = "\n## Paired over seeds\n\n" + PAIRED_NOTE + "\n"
+    text = [PAIRED_NOTE]
+    for title, header, rows in tables:
+        md += f"\n{title}\n" + (f"\n{format_markdown(header, rows)}\n" if rows else "")
+        text += [title, *([format_text(header, rows)] if rows else [])]
+    return md, "\n".join([*text, ""])
+
+
+def stats_report(sweep_dir: Path, *, variance: bool = False, plan: dict | None = None,
+                 seeds: list[str] | None = None) -> str:
+    """``--variance`` and ``--plan``: the text they print (nothing is written). ``plan``: plan_text's keywords."""
+    runs = find_runs(Path(sweep_dir))
+    runs = [r for r in (runs if seeds is None else _of_seeds(runs, seeds)) if r.status == "completed"]
+    if not runs:
+        raise ReportError("every run of this sweep failed; see the log paths in the report")
+    parts = []
+    if variance:
+        header, rows, notes = variance_table(runs)
+        parts.append("\n".join([f"Variance split over seeds: {sweep_dir}", format_text(header, rows), *notes]))
+    if plan is not None:
+        parts.append(plan_text(runs, **plan))
+    return "\n\n".join(parts)
 
 
 def _of_seeds(runs: list, seeds: list[str]) -> list:
@@ -110,12 +156,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="iterations of the paired subsampling test per compared row (the paper: 50000)")
     parser.add_argument("--seeds", type=lambda text: [s.strip() for s in text.split(",") if s.strip()], default=None,
                         help="report only the runs of these seeds, e.g. 0,1 (cells compared over the same seeds)")
+    parser.add_argument("--variance", action="store_true",
+                        help="print the split of each pass@k's run-to-run variance (training, problems, sampling)")
+    parser.add_argument("--plan", action="store_true", help="print the seed pairs needed to detect --effect")
+    parser.add_argument("--effect", type=float, default=None, help="with --plan: the effect to detect, in points")
+    parser.add_argument("--alpha", type=float, default=0.05, help="with --plan: two-sided level (default 0.05)")
+    parser.add_argument("--power", type=float, default=0.8, help="with --plan: power (default 0.8)")
+    parser.add_argument("--metric", default="pass@16", help="with --plan: the metric (default pass@16)")
     args = parser.parse_args(argv)
+    if args.plan and (args.effect is None or args.effect <= 0):
+        parser.error("--plan needs --effect > 0, the difference to detect in points, e.g. --effect 4")
+    if args.plan and not (0 < args.alpha < 1 and 0 < args.power < 1):
+        parser.error(f"--alpha and --power must be in (0, 1), got {args.alpha} and {args.power}")
     if args.significance_iterations < 1:
         parser.error(f"--significance-iterations must be >= 1, got {args.significance_iterations}")
     if args.seeds == []:
         parser.error("--seeds needs seeds, e.g. --seeds 0,1 (or leave it out for every seed)")
     try:
+        if args.variance or args.plan:
+            plan = (dict(effect=args.effect, alpha=args.alpha, power=args.power, metric=args.metric)
+                    if args.plan else None)
+            print(stats_report(args.sweep_dir, variance=args.variance, plan=plan, seeds=args.seeds))
+            return 0
         print(report(args.sweep_dir, args.out, significance_iterations=args.significance_iterations, seeds=args.seeds))
     except ReportError as error:
         print(f"error: {error}", file=sys.stderr)

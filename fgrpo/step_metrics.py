@@ -60,6 +60,8 @@ def step_metrics(outcomes: StepOutcomes, learned: dict[str, float], timings: dic
         "train/focal_weight_mean": float(weights.mean()),
         "train/focal_weight_min": float(weights.min()),
         "train/adv_abs_mean": float(advantages.abs().mean()),
+        # how far the step pushes, to compare arms on it (with train/grad_norm): the batch's advantages' L2 norm
+        "train/adv_norm": float(advantages.norm()),
         "train/adv_abs_mean_per_group": advantages.abs().mean(dim=1).tolist(),  # in the order of success_rate_hist
         "train/completion_len_mean": float(np.mean(lengths)),
         "train/completion_len_max": float(np.max(lengths)),

@@ -124,8 +124,11 @@ def learn_step(cfg: DictConfig, step: int, run: Run, sampler, learner: Learner, 
         # F-GRPO (advantage=focal): mu_hat = the group's success rate (Eq. 11, from correctness), g = (1 - mu_hat)^gamma
         # (Eq. 12), A^F = g * A with A the group-normalised advantage (Eqs. 3, 13); gamma = 0: the baseline.
         # The other methods (advantage=maxrl, ...): fgrpo.algorithm.advantage_methods
-        advantages = compute_advantages(rewards, groups.correct, advantage_settings(cfg),
-                                        groups.mean_logprobs()) if len(groups) else rewards
+        # a step-wide statistic (advantage=mean_focal) reads every rank's verdicts: all ranks gather, groups or none
+        step_correct = (torch.cat([c for c in distributed.gather_objects(groups.correct) if c.numel()])
+                        if cfg.advantage.name == "mean_focal" else None)
+        advantages = compute_advantages(rewards, groups.correct, advantage_settings(cfg), groups.mean_logprobs(),
+                                        step_correct) if len(groups) else rewards
         seqs = learner_sequences(groups, advantages, run.prompt_ids)
         sampler.release_memory()  # on CPU, vLLM's KV cache and packed weights: dead until the push below
         profiled_step = step if step == cfg.trainer.profile_step and ranks.main else None

@@ -90,8 +90,8 @@ def test_unknown_group_option_lists_choices(compose):
                                          "runs it natively), float32 or null (no autocast), bfloat16 or float16"),
         ("hardware.sampler_dtype=half", "hardware.sampler_dtype='half': must be auto"),
         ("hardware.learner_dtype=auto", "hardware.learner_dtype='auto': must be one of ('float32', 'bfloat16', 'float16')"),
-        ("advantage.name=grpo_passk", "advantage.name='grpo_passk': must be one of ('focal', 'dr_grpo', 'maxrl', "
-                                      "'unlikeliness', 'w_reinforce', 'passk') (advantage=<name>)"),
+        ("advantage.name=grpo_passk", "advantage.name='grpo_passk': must be one of ('focal', 'mean_focal', 'dr_grpo', "
+                                      "'maxrl', 'unlikeliness', 'w_reinforce', 'passk') (advantage=<name>)"),
         ("advantage=passk advantage.k=9", "advantage.k=9: must be between 1 and algo.group_size=8"),
         ("advantage.lam=0", "advantage.lam=0.0: must be > 0"),
         ("advantage.beta=1.5", "advantage.beta=1.5: must be in .0, 1. .the unlikeliness penalty"),
@@ -143,6 +143,11 @@ def test_an_advantage_method_with_what_it_cannot_combine_with_is_refused(compose
     validate(compose("advantage=unlikeliness", "algo=dapo", "algo.overlong_shaping=true"))  # it reads the rewards
     validate(compose("advantage=focal", "focal=fgrpo", "algo=cispo"))
     validate(compose("algo.group_size=2"))  # advantage.k=4 is passk's alone
+    # the step-size control scales GRPO by the focal weight's step mean: at gamma 0 it would be GRPO itself
+    with pytest.raises(ConfigError, match="focal.gamma=0.0: with advantage=mean_focal must be > 0"):
+        validate(compose("advantage=mean_focal", "focal.gamma=0"))
+    assert compose("advantage=mean_focal").focal.gamma == 1.0  # F-GRPO's gamma unless the command line says
+    validate(compose("advantage=mean_focal", "focal.gamma=0.5"))
 
 
 def test_the_removed_std_normalize_key_is_now_advantage_dr_grpo(compose):

@@ -440,3 +440,60 @@ def test_advantage_methods_are_cells_compared_with_the_plain_algorithm(tmp_path)
     assert "| algo | advantage | gamma | seed | pass@1 % |" in md and "| grpo | passk k=2 | 0 | 1 |" in md
     assert "| algo | advantage | gamma | seeds | pass@1 % per seed |" in md  # the over-seeds table
     assert (tmp_path / "report.png").stat().st_size > 0
+
+
+
+# ---------------------------------------------------------------- paired over seeds, --variance, --plan
+
+
+def test_paired_over_seeds_section_and_cells_whose_seeds_differ(tmp_path):
+    write_sweep(tmp_path)
+    report(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert md.index("## Over seeds") < md.index("## Paired over seeds") < md.index("## Runs")
+    grpo = md.split("grpo, gamma=1 − grpo, gamma=0 (seeds 0, 1)")[1].split("## Runs")[0]
+    # pass@1: +30 on both seeds (no spread: t-test p 0); pass@4: +10 and -10, mean 0, t interval +-12.706 * 10
+    assert "| seed | Δpass@1 | Δpass@4 |\n|---|---|---|\n| 0 | +30.0 | +10.0 |\n| 1 | +30.0 | -10.0 |" in grpo
+    assert "| mean [95% t interval] | +30.0 [+30.0, +30.0] | +0.0 [-127.1, +127.1] |" in grpo
+    assert "| paired t-test p | 0.000 | 1.000 |\n| sign-flip p (4 flips, exact) | 0.500 | 1.000 |" in grpo
+    write_run(tmp_path / "8_extra", "grpo", 1.0, 2, 0.5, 0.5, job_num=8)
+    report(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert ("\npaired test over seeds: grpo, gamma=1 has seeds 0, 1, 2 but grpo, gamma=0 has seeds 0, 1; a paired "
+            "test needs the same seeds on both sides") in md
+    assert "cispo, gamma=1 − cispo, gamma=0 (seeds 0, 1)" in md  # the other pair is still tested
+
+
+def test_variance_flag_prints_the_split(tmp_path, capsys):
+    counts = write_sweep_with_counts(tmp_path)
+    assert main([str(tmp_path), "--variance"]) == 0 and not (tmp_path / "report.md").exists()  # prints only
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("pass@")}
+    assert set(rows) == {"pass@1", "pass@16"}  # n = 16: no pass@64
+    # the pooled seed sd of pass@1 by hand: each run's mean over the 40 problems of c / n, pooled over the 4 cells
+    cells = [[np.concatenate([counts[(algo, gamma, seed)][d] for d in ("arithmetic", "logic")]) / COUNTS_N
+              for seed in (0, 1)] for algo, gamma in FINALS]
+    pooled = np.sqrt(np.mean([np.var([run.mean() for run in cell], ddof=1) for cell in cells]))
+    assert rows["pass@1"][1] == f"{100 * pooled:.2f}" and rows["pass@1"][-3:] == ["4;", "156", "unbiased"]
+
+
+def test_plan_flag_and_its_bad_input(tmp_path, capsys):
+    write_sweep(tmp_path / "sweep")
+    assert main([str(tmp_path / "sweep"), "--plan", "--effect", "20", "--metric", "pass@4"]) == 0
+    out = capsys.readouterr().out
+    # pass@4 differences: grpo +10, -10; cispo -20, 0: pooled variance (200 + 200) / 2, sd 14.14; d = 1.41
+    assert "sd of a per-seed difference: 14.14 points (the pooled sd of the per-seed paired differences, 2 df" in out
+    assert "seed pairs needed: 7 (power 0.874; 6 give 0.789)" in out  # scipy.stats.nct
+    for num, gamma in enumerate([0.0, 1.0]):
+        write_run(tmp_path / "one" / str(num), "grpo", gamma, 0, 0.2, 0.5, job_num=num)
+    assert main([str(tmp_path / "one"), "--plan", "--effect", "4", "--metric", "pass@4"]) == 2
+    assert (err := capsys.readouterr().err).count("\n") == 1 and "every cell has fewer (grpo, gamma=0: 1 seed; grpo, gamma=1: 1 seed)" in err
+    for run_dir in (tmp_path / "sweep").iterdir():
+        if "cispo" in run_dir.name:  # evaluated with 8 samples instead of 4
+            config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+            (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump({**config, "eval": {"n_samples": 8}}))
+    for flag in (["--variance"], ["--plan", "--effect", "4", "--metric", "pass@4"]):
+        assert main([str(tmp_path / "sweep"), *flag]) == 2
+        assert (err := capsys.readouterr().err).count("\n") == 1 and "eval.n_samples: 4 (4 runs), 8 (4 runs)" in err
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "sweep"), "--plan"])
+    assert "--plan needs --effect > 0" in capsys.readouterr().err

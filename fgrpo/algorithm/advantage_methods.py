@@ -17,8 +17,8 @@ import torch
 from fgrpo.algorithm.advantage_settings import AdvantageSettings
 from fgrpo.algorithm.advantages import check_rewards, focal_group_advantages, group_advantages
 
-__all__ = ["ADVANTAGE_METHODS", "compute_advantages", "dr_grpo", "focal", "maxrl", "passk", "unlikeliness",
-           "w_reinforce"]
+__all__ = ["ADVANTAGE_METHODS", "compute_advantages", "dr_grpo", "focal", "maxrl", "mean_focal", "mean_focal_weight",
+           "passk", "unlikeliness", "w_reinforce"]
 
 
 def focal(rewards: torch.Tensor, correct: torch.Tensor, settings: AdvantageSettings,
@@ -26,6 +26,28 @@ def focal(rewards: torch.Tensor, correct: torch.Tensor, settings: AdvantageSetti
     """F-GRPO, Eq. 13 of arXiv 2602.06717: ``(1 - mu_hat) ** gamma * (R - mean R) / (std R + eps)``; gamma 0 is
     GRPO's group-normalised advantage (Eq. 3)."""
     return focal_group_advantages(rewards, settings.gamma, correct=correct)
+
+
+def mean_focal_weight(correct: torch.Tensor, gamma: float) -> torch.Tensor:
+    """The mean focal weight ``(1 - mu_hat) ** gamma`` over the groups of ``correct`` ``[P, G]`` whose samples are
+    neither all correct nor all wrong (the only groups with a nonzero advantage, so the only ones that move the
+    policy); 1 when there is none. A 0-d tensor."""
+    rates = correct.to(torch.float64).mean(dim=1)
+    mixed = (rates > 0) & (rates < 1)
+    if not bool(mixed.any()):
+        return torch.ones((), dtype=torch.float64)
+    return ((1.0 - rates[mixed]) ** gamma).mean()
+
+
+def mean_focal(rewards: torch.Tensor, correct: torch.Tensor, settings: AdvantageSettings,
+               seq_logp: torch.Tensor | None = None, step_correct: torch.Tensor | None = None) -> torch.Tensor:
+    """The step-size control for F-GRPO (ours, issue 48): GRPO's advantage (Eq. 3) times one number per step, the
+    step's mean focal weight (Eq. 12 at ``focal.gamma``, over the groups that move the policy). It moves as far as
+    F-GRPO on average but weights every group alike, so a difference between F-GRPO and this arm is the
+    reweighting's, not the smaller steps'. ``step_correct``: the whole step's verdicts (every rank's), for the mean;
+    default ``correct``."""
+    scale = mean_focal_weight(correct if step_correct is None else step_correct, settings.gamma)
+    return group_advantages(rewards) * scale.to(rewards.dtype)
 
 
 def dr_grpo(rewards: torch.Tensor, correct: torch.Tensor, settings: AdvantageSettings,
@@ -102,17 +124,21 @@ def passk(rewards: torch.Tensor, correct: torch.Tensor, settings: AdvantageSetti
 
 
 # every method by name (the names, torch-free, in advantage_settings.METHODS: config.validate and the report read them)
-ADVANTAGE_METHODS = {"focal": focal, "dr_grpo": dr_grpo, "maxrl": maxrl, "unlikeliness": unlikeliness,
+ADVANTAGE_METHODS = {"focal": focal, "mean_focal": mean_focal, "dr_grpo": dr_grpo, "maxrl": maxrl, "unlikeliness": unlikeliness,
                      "w_reinforce": w_reinforce, "passk": passk}
 
 
 def compute_advantages(rewards: torch.Tensor, correct: torch.Tensor, settings: AdvantageSettings,
-                       seq_logp: torch.Tensor | None = None) -> torch.Tensor:
-    """``[P, G]`` advantages of ``settings.method``: the one place the training loop calls."""
+                       seq_logp: torch.Tensor | None = None, step_correct: torch.Tensor | None = None) -> torch.Tensor:
+    """``[P, G]`` advantages of ``settings.method``: the one place the training loop calls. ``step_correct``: the
+    verdicts of the whole step, every rank's (``[P_all, G]``), for a method that reads a step-wide statistic
+    (``mean_focal``); default ``correct``."""
     if settings.method not in ADVANTAGE_METHODS:
         raise ValueError(f"advantage method must be one of {tuple(ADVANTAGE_METHODS)}, got {settings.method!r}")
     rewards = check_rewards(rewards)
     if correct.shape != rewards.shape:
         raise ValueError(f"correct has shape {tuple(correct.shape)} but rewards {tuple(rewards.shape)}; "
                          "pass one verdict per sample")
+    if settings.method == "mean_focal":
+        return mean_focal(rewards, correct, settings, seq_logp, step_correct)
     return ADVANTAGE_METHODS[settings.method](rewards, correct.to(rewards.dtype), settings, seq_logp)

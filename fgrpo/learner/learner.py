@@ -82,9 +82,9 @@ class Learner:
         self.policy = load_policy(folder, dtype=settings.dtype, device=settings.device, attention=settings.attention)
         if settings.lora is not None:  # before the layers compile: the adapters are part of them
             trainable = apply_lora(self.policy, settings.lora)
-            log.info("LoRA rank %d on %s: %.2fM trained parameters of %.2fM", settings.lora.rank,
+            log.info("LoRA rank %d on %s: %.2fM trained parameters of %.2fM, lr %g", settings.lora.rank,
                      ", ".join(settings.lora.target_modules or ["every linear layer"]), trainable / 1e6,
-                     sum(p.numel() for p in self.policy.parameters()) / 1e6)
+                     sum(p.numel() for p in self.policy.parameters()) / 1e6, settings.lr)
         if settings.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         if settings.compile and not compile_decoder_layers(self.policy, grad_only=generates,

@@ -28,6 +28,31 @@ def test_focal_at_gamma_0_is_grpo_and_gamma_1_scales_by_the_failure_rate():
     torch.testing.assert_close(advantages("focal", rewards.tolist(), gamma=1.0), weights * group_advantages(rewards))
 
 
+def test_mean_focal_is_grpo_scaled_by_the_steps_mean_focal_weight_over_mixed_groups():
+    # success rates 1/4, 3/4 (mixed: weights 0.75, 0.25 at gamma 1), then all wrong and all correct (left out)
+    rewards = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.float64)
+    scaled = advantages("mean_focal", rewards.tolist(), gamma=1.0)
+    torch.testing.assert_close(scaled, 0.5 * group_advantages(rewards))
+    # as far a step as F-GRPO's in total weight, but every mixed group weighted alike
+    focal = advantages("focal", rewards.tolist(), gamma=1.0)
+    assert scaled.abs().sum() == pytest.approx(focal.abs().sum().item()) and not torch.allclose(scaled, focal)
+    torch.testing.assert_close(advantages("mean_focal", rewards.tolist(), gamma=2.0),
+                               (0.75 ** 2 + 0.25 ** 2) / 2 * group_advantages(rewards))
+
+
+def test_mean_focal_takes_its_mean_over_the_whole_step_when_given_every_ranks_verdicts():
+    mine = torch.tensor([[1.0, 0, 0, 0]], dtype=torch.float64)  # this rank: weight 0.75
+    others = torch.tensor([[1.0, 1, 1, 0]], dtype=torch.float64)  # another rank's: weight 0.25
+    settings = AdvantageSettings("mean_focal", gamma=1.0)
+    alone = compute_advantages(mine, mine, settings)
+    whole_step = compute_advantages(mine, mine, settings, None, torch.cat([mine, others]))
+    torch.testing.assert_close(alone, 0.75 * group_advantages(mine))
+    torch.testing.assert_close(whole_step, 0.5 * group_advantages(mine))
+    # no mixed group anywhere: nothing to scale (GRPO's zeros)
+    solved = torch.ones(2, 4, dtype=torch.float64)
+    assert compute_advantages(solved, solved, settings).abs().sum() == 0
+
+
 def test_dr_grpo_is_the_centred_reward():
     close(advantages("dr_grpo", [[1, 0, 0, 0], [1, 1, 1, 1]]), [[0.75, -0.25, -0.25, -0.25], [0, 0, 0, 0]])
 
@@ -115,5 +140,6 @@ def test_unknown_method_lists_the_choices():
 def test_method_labels_name_the_parameter_that_sets_a_method_apart():
     assert tuple(ADVANTAGE_METHODS) == METHODS  # the torch-free names that config.validate and the report read
     labels = [method_label(AdvantageSettings(m, gamma=1.0, lam=0.2, beta=0.5, k=2)) for m in sorted(METHODS)]
-    assert labels == ["dr_grpo", "focal gamma=1", "maxrl", "passk k=2", "unlikeliness beta=0.5", "w_reinforce lam=0.2"]
+    assert labels == ["dr_grpo", "focal gamma=1", "maxrl", "mean_focal gamma=1", "passk k=2", "unlikeliness beta=0.5",
+                      "w_reinforce lam=0.2"]
     assert method_label(AdvantageSettings("focal", gamma=1.0), with_gamma=False) == "focal"

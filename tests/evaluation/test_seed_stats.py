@@ -1,0 +1,186 @@
+"""fgrpo.evaluation.seed_stats: the paired over-seeds test, the planner and the variance split against hand
+computations, known values and simulated sweeps with known components."""
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from fgrpo.evaluation.seed_stats import (check_same_eval_settings, config_cells, expected_half_width,
+                                         paired_seed_test, paired_t_power, paired_values, pairs_needed,
+                                         per_problem_pass_at_k, plan_text, sampling_variance, sign_flip_p,
+                                         variance_split)
+from fgrpo.evaluation.sweep_runs import ReportError, Run
+
+
+# ---------------------------------------------------------------- paired test
+
+
+def test_paired_test_matches_a_hand_computation():
+    test = paired_seed_test([3.0, 4.0, 6.0], [1.0, 2.0, 3.0])  # differences 2, 2, 3
+    mean, se = 7 / 3, np.sqrt(1 / 3) / np.sqrt(3)
+    half = stats.t.ppf(0.975, 2) * se
+    np.testing.assert_allclose(test.differences, [2, 2, 3])
+    assert test.mean == pytest.approx(mean)
+    assert (test.ci_low, test.ci_high) == pytest.approx((mean - half, mean + half))
+    assert test.t_p == pytest.approx(2 * stats.t.sf(mean / se, 2))  # t = 7, p = 0.0198
+    assert test.sign_flip_p == 0.25 and test.exact  # 3 pairs, all positive: 2 of the 8 flips are as extreme
+
+
+def test_sign_flip_p_is_exact_over_all_flips():
+    assert sign_flip_p([1.0, 2.0, 3.0]) == 0.25
+    assert sign_flip_p([0.5, 0.5, 0.5, 0.5, 0.5]) == pytest.approx(2 / 32)
+    differences = np.array([1.0, -1.0, 2.0, 5.0])
+    flips = np.array(list(itertools.product([1, -1], repeat=4)))
+    means = (flips * differences).mean(axis=1)
+    observed = differences.mean()
+    by_hand = min(1.0, 2 * min(np.mean(means >= observed - 1e-12), np.mean(means <= observed + 1e-12)))
+    assert sign_flip_p(differences) == pytest.approx(by_hand)
+    sampled = sign_flip_p([1.0, 2.0, 3.0], exact_up_to=2, resamples=20_000)  # random flips beyond exact_up_to
+    assert sampled == pytest.approx(0.25, abs=0.02)
+
+
+def test_paired_test_without_spread_and_bad_shapes():
+    same = paired_seed_test([0.5, 0.7], [0.2, 0.4])
+    assert same.t_p == 0.0 and same.ci_low == same.ci_high == pytest.approx(0.3) and same.sign_flip_p == 0.5
+    nothing = paired_seed_test([0.5, 0.7], [0.5, 0.7])
+    assert nothing.t_p == 1.0 and nothing.sign_flip_p == 1.0 and nothing.mean == 0.0
+    with pytest.raises(ValueError, match="same length >= 2"):
+        paired_seed_test([1.0], [2.0])
+    with pytest.raises(ValueError, match="same length >= 2"):
+        paired_seed_test([1.0, 2.0], [2.0, 3.0, 4.0])
+
+
+# ---------------------------------------------------------------- planner
+
+
+def test_pairs_needed_known_values():
+    assert pairs_needed(1.0, 1.0, 0.05, 0.8) == 10  # the textbook paired t-test at d = 1
+    assert paired_t_power(10, 1.0, 1.0, 0.05) > 0.8 > paired_t_power(9, 1.0, 1.0, 0.05)
+    assert pairs_needed(2.0, 4.0, 0.05, 0.8) == 34  # d = 0.5 (G*Power: 34)
+    assert pairs_needed(1.0, 10.0, 0.01, 0.8) is None  # d = 0.1 needs far more than 100
+    assert paired_t_power(7, 0.0, 1.0, 0.05) == pytest.approx(0.05)  # no effect: the test's level
+    with pytest.raises(ValueError, match="effect > 0"):
+        pairs_needed(0.0, 1.0, 0.05, 0.8)
+
+
+def test_expected_half_width_matches_simulation():
+    rng = np.random.default_rng(0)
+    samples = rng.normal(0.0, 2.0, size=(200_000, 5))
+    half_widths = stats.t.ppf(0.95, 4) * samples.std(axis=1, ddof=1) / np.sqrt(5)
+    assert expected_half_width(5, 2.0) == pytest.approx(half_widths.mean(), rel=0.005)
+    assert expected_half_width(5, 2.0) < stats.t.ppf(0.95, 4) * 2.0 / np.sqrt(5)  # E[s] < sd
+
+
+# ---------------------------------------------------------------- variance split
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_sampling_variance_is_unbiased_where_2k_fits_in_n(k):
+    n, theta = 16, 0.3
+    counts = np.arange(n + 1)
+    pmf = stats.binom.pmf(counts, n, theta)
+    estimates = per_problem_pass_at_k(counts, n, k)
+    true_variance = pmf @ estimates ** 2 - (pmf @ estimates) ** 2
+    assert pmf @ sampling_variance(counts, n, k) == pytest.approx(true_variance, rel=1e-9)
+
+
+def test_sampling_variance_beyond_n_over_2_is_the_binomial_bootstrap():
+    n = 16
+    counts = np.array([0, 1, 5, 16])
+    missed = (1 - counts / n) ** n  # pass@16 of 16 samples is "any correct": bootstrap var q (1 - q)
+    np.testing.assert_allclose(sampling_variance(counts, n, n), missed * (1 - missed), atol=1e-12)
+    np.testing.assert_allclose(sampling_variance(counts, n, 1), counts * (n - counts) / (n ** 2 * (n - 1)))
+
+
+def simulate_cells(seed_sd: float, interaction_sd: float, *, cells=300, seeds=3, problems=40, n=32, rng_seed=0):
+    """[cells] arrays [seeds, problems] of counts with success rate base_p + seed shift + seed x problem shift
+    (uniform, so no clipping), and the true run-level variances (seed, interaction / P, sampling)."""
+    rng = np.random.default_rng(rng_seed)
+    half_seed, half_interaction = seed_sd * np.sqrt(3), interaction_sd * np.sqrt(3)
+    tables, sampling = [], []
+    for _ in range(cells):
+        base = rng.uniform(0.35, 0.65, problems)
+        theta = (base[None, :] + rng.uniform(-half_seed, half_seed, (seeds, 1))
+                 + rng.uniform(-half_interaction, half_interaction, (seeds, problems)))
+        tables.append(rng.binomial(n, theta))
+        sampling.append(np.mean(np.sum(theta * (1 - theta) / n, axis=1)) / problems ** 2)
+    return tables, (seed_sd ** 2, interaction_sd ** 2 / problems, float(np.mean(sampling)))
+
+
+@pytest.mark.parametrize("seed_sd", [0.04, 0.0])
+def test_variance_split_recovers_known_components(seed_sd):
+    tables, (seed, interaction, sampling) = simulate_cells(seed_sd, 0.08)
+    split = variance_split(tables, 32, 1)
+    run = seed + interaction + sampling
+    assert split.run_df == 600 and split.interaction_df == 600 * 39 and split.cells == 300
+    assert split.run == pytest.approx(run, rel=0.15)
+    assert split.sampling == pytest.approx(sampling, rel=0.03)
+    assert split.interaction == pytest.approx(interaction, rel=0.1)
+    assert split.seed == pytest.approx(seed, abs=0.1 * run)
+    assert split.run == pytest.approx(split.seed + split.interaction + split.sampling)
+    assert split.method == "unbiased"
+
+
+def test_variance_split_run_part_is_the_pooled_variance_of_run_values():
+    rng = np.random.default_rng(1)
+    tables = [rng.binomial(16, 0.4, (3, 10)), rng.binomial(16, 0.6, (2, 10)), rng.binomial(16, 0.5, (1, 10))]
+    split = variance_split(tables, 16, 4)
+    runs = [per_problem_pass_at_k(t, 16, 4).mean(axis=1) for t in tables]
+    by_hand = (np.var(runs[0], ddof=1) * 2 + np.var(runs[1], ddof=1)) / 3  # the one-seed cell adds nothing
+    assert split.run == pytest.approx(by_hand) and split.run_df == 3 and split.cells == 2
+    with pytest.raises(ValueError, match="two or more seeds"):
+        variance_split([tables[2]], 16, 4)
+    with pytest.raises(ValueError, match="share their problems"):
+        variance_split([tables[0], rng.binomial(16, 0.5, (2, 9))], 16, 4)
+
+
+# ---------------------------------------------------------------- from runs
+
+
+def make_run(algo: str, gamma: float, seed: int, pass_at_1: float, n_samples: int = 4) -> Run:
+    config = {"algo.name": algo, "focal.gamma": gamma, "seed": seed, "eval.n_samples": n_samples,
+              "eval.max_problems": 60, "dataset.name": "arithmetic", "trainer.steps": 2}
+    return Run(Path(f"/runs/{algo}_{gamma}_{seed}"), config, [{"step": 2, "eval/pass@1": pass_at_1}])
+
+
+def test_paired_values_need_the_same_seeds_and_pair_by_seed():
+    runs = [make_run("grpo", 0.0, s, 0.1 * s) for s in (0, 1, 2)] + [make_run("grpo", 1.0, s, 0.5) for s in (1, 0)]
+    cells = config_cells(runs)
+    key, base = sorted(cells, key=lambda k: k[0][2], reverse=True)
+    with pytest.raises(ReportError) as error:
+        paired_values(cells, key, base, "pass@1")
+    assert str(error.value).startswith("paired test over seeds: grpo, gamma=1 has seeds 0, 1 but grpo, gamma=0 has "
+                                       "seeds 0, 1, 2;")
+    assert "\n" not in str(error.value)
+    cells = config_cells(runs[:2] + runs[3:])
+    seeds, a, b = paired_values(cells, key, base, "pass@1")
+    assert seeds == ["0", "1"] and list(a) == [50.0, 50.0] and list(b) == pytest.approx([0.0, 10.0])
+
+
+def test_eval_settings_must_match():
+    runs = [make_run("grpo", 0.0, 0, 0.1), make_run("grpo", 0.0, 1, 0.2), make_run("grpo", 1.0, 0, 0.3, n_samples=8)]
+    check_same_eval_settings(runs[:2])
+    with pytest.raises(ReportError) as error:
+        check_same_eval_settings(runs)
+    message = str(error.value)
+    assert "evaluation settings differ" in message and "eval.n_samples: 4 (2 runs), 8 (1 runs)" in message
+    assert "\n" not in message
+
+
+def test_plan_without_shared_seeds_uses_sqrt_2_seed_sd_and_names_a_missing_metric():
+    runs = [make_run("grpo", 0.0, 0, 0.5), make_run("grpo", 0.0, 1, 0.7), make_run("grpo", 1.0, 2, 0.6),
+            make_run("grpo", 1.0, 3, 0.6)]
+    text = plan_text(runs, effect=5.0, alpha=0.05, power=0.8, metric="pass@1")
+    # seed sd: gamma 0 has 50, 70 (variance 200), gamma 1 60, 60 (0): pooled sqrt(100) = 10, x sqrt(2) = 14.14
+    assert ("sd of a per-seed difference: 14.14 points (no pair of cells shares two seeds: sqrt(2) x the pooled "
+            "seed sd (10.00 points, 2 df") in text
+    assert f"seed pairs needed: {pairs_needed(5.0, np.sqrt(200), 0.05, 0.8)} (power" in text
+    text = plan_text(runs, effect=1.0, alpha=0.01, power=0.8, metric="pass@1")
+    assert "seed pairs needed: more than 100 (power at 100: " in text
+    assert "90% interval half-width expected under no effect at 100 pairs" in text
+    with pytest.raises(ReportError, match=r"--metric pass@16: /runs/grpo_0.0_0 logged no eval/pass@16 \(it has "
+                                          r"pass@1\)"):
+        plan_text(runs, effect=5.0, alpha=0.05, power=0.8, metric="pass@16")
