@@ -34,9 +34,12 @@ sign-flip test (:mod:`fgrpo.evaluation.seed_stats`); a pair whose cells ran diff
 
     python -m fgrpo.report DIR --variance     # run-to-run variance split: training / problem x seed / sampling
     python -m fgrpo.report DIR --plan --effect 4 --alpha 0.01 [--power 0.8] [--metric pass@16]  # pairs needed
+    python -m fgrpo.report DIR --plan --effect 4 --problems 240 --samples 32  # projected to another evaluation
 
-These two print only. They read every run under DIR (several sweeps at once: cells are also told apart by any other
-config key that differs, e.g. trainer.mini_batches), but refuse runs evaluated differently.
+``--problems``/``--samples`` project the pilot's spread to that many held-out problems and samples per problem
+(default the pilot's own) from its variance split (:mod:`fgrpo.evaluation.seed_planner`). These print only. They
+read every run under DIR (several sweeps at once: cells are also told apart by any other config key that differs,
+e.g. trainer.mini_batches), but refuse runs evaluated differently.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ from fgrpo.evaluation.sweep_report import (SIGNIFICANCE_ITERATIONS, build_table,
                                            significance_columns, significance_note)
 from fgrpo.evaluation.sweep_runs import (ReportError, check_same_config, find_missing_jobs, find_runs, largest_final_k,
                                        pass_at_ks)
-from fgrpo.evaluation.seed_stats import PAIRED_NOTE, paired_tables, plan_text, variance_table
+from fgrpo.evaluation.seed_planner import plan_text
+from fgrpo.evaluation.seed_stats import PAIRED_NOTE, paired_tables, variance_table
 
 
 def report(sweep_dir: Path, out_dir: Path | None = None, *,
@@ -163,19 +167,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha", type=float, default=0.05, help="with --plan: two-sided level (default 0.05)")
     parser.add_argument("--power", type=float, default=0.8, help="with --plan: power (default 0.8)")
     parser.add_argument("--metric", default="pass@16", help="with --plan: the metric (default pass@16)")
+    parser.add_argument("--problems", type=int, default=None,
+                        help="with --plan: project to this many held-out problems (default the pilot's)")
+    parser.add_argument("--samples", type=int, default=None,
+                        help="with --plan: project to this many samples per problem (default the pilot's)")
     args = parser.parse_args(argv)
     if args.plan and (args.effect is None or args.effect <= 0):
         parser.error("--plan needs --effect > 0, the difference to detect in points, e.g. --effect 4")
     if args.plan and not (0 < args.alpha < 1 and 0 < args.power < 1):
         parser.error(f"--alpha and --power must be in (0, 1), got {args.alpha} and {args.power}")
+    if (args.problems is not None or args.samples is not None) and not args.plan:
+        parser.error("--problems and --samples go with --plan")
+    if any(value is not None and value < 1 for value in (args.problems, args.samples)):
+        parser.error(f"--problems and --samples must be >= 1, got {args.problems} and {args.samples}")
     if args.significance_iterations < 1:
         parser.error(f"--significance-iterations must be >= 1, got {args.significance_iterations}")
     if args.seeds == []:
         parser.error("--seeds needs seeds, e.g. --seeds 0,1 (or leave it out for every seed)")
     try:
         if args.variance or args.plan:
-            plan = (dict(effect=args.effect, alpha=args.alpha, power=args.power, metric=args.metric)
-                    if args.plan else None)
+            plan = (dict(effect=args.effect, alpha=args.alpha, power=args.power, metric=args.metric,
+                         problems=args.problems, samples=args.samples) if args.plan else None)
             print(stats_report(args.sweep_dir, variance=args.variance, plan=plan, seeds=args.seeds))
             return 0
         print(report(args.sweep_dir, args.out, significance_iterations=args.significance_iterations, seeds=args.seeds))

@@ -164,12 +164,9 @@ def test_jobs_whose_auto_precision_settled_differently_are_told_to_pin_it(tmp_pa
 
 @pytest.mark.parametrize("what", ["empty", "missing", "only_failed"])
 def test_no_runs_exit_2(tmp_path, capsys, what):
-    target = tmp_path
-    if what == "missing":
-        target = tmp_path / "nope"
-    elif what == "only_failed":
+    if what == "only_failed":
         write_run(tmp_path / "0", "grpo", 0.0, 0, 0, 0, steps_done=0)
-    assert main([str(target)]) == 2
+    assert main([str(tmp_path / "nope" if what == "missing" else tmp_path)]) == 2
     err = capsys.readouterr().err
     expected = {"empty": "no runs found under", "missing": "is not a directory",
                 "only_failed": "every run of this sweep failed"}[what]
@@ -186,8 +183,7 @@ def test_seeds_flag_reports_only_those_seeds_and_names_the_seeds_there_are(tmp_p
     assert "Seeds 1 only (4 runs of other seeds left out). 4 completed runs, 0 failed" in out
     assert main([str(tmp_path), "--seeds", "0, 1"]) == 0 and "8 completed runs" in capsys.readouterr().out
     assert main([str(tmp_path), "--seeds", "5"]) == 2
-    err = capsys.readouterr().err
-    assert "no run has seed 5; the runs' seeds are 0, 1" in err
+    assert "no run has seed 5; the runs' seeds are 0, 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse's usage error, exit 2
         main([str(tmp_path), "--seeds", ","])
     assert "--seeds needs seeds" in capsys.readouterr().err
@@ -442,7 +438,6 @@ def test_advantage_methods_are_cells_compared_with_the_plain_algorithm(tmp_path)
     assert (tmp_path / "report.png").stat().st_size > 0
 
 
-
 # ---------------------------------------------------------------- paired over seeds, --variance, --plan
 
 
@@ -464,7 +459,7 @@ def test_paired_over_seeds_section_and_cells_whose_seeds_differ(tmp_path):
     assert "cispo, gamma=1 − cispo, gamma=0 (seeds 0, 1)" in md  # the other pair is still tested
 
 
-def test_variance_flag_prints_the_split(tmp_path, capsys):
+def test_variance_flag_prints_the_split_and_plan_projects_it(tmp_path, capsys):
     counts = write_sweep_with_counts(tmp_path)
     assert main([str(tmp_path), "--variance"]) == 0 and not (tmp_path / "report.md").exists()  # prints only
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("pass@")}
@@ -474,6 +469,12 @@ def test_variance_flag_prints_the_split(tmp_path, capsys):
               for seed in (0, 1)] for algo, gamma in FINALS]
     pooled = np.sqrt(np.mean([np.var([run.mean() for run in cell], ddof=1) for cell in cells]))
     assert rows["pass@1"][1] == f"{100 * pooled:.2f}" and rows["pass@1"][-3:] == ["4;", "156", "unbiased"]
+    assert main([str(tmp_path), *"--plan --effect 4 --metric pass@4 --problems 240 --samples 32".split()]) == 0
+    out = capsys.readouterr().out  # projected from 40 problems x 16 samples; the pass@4 differences give V = 200
+    for line in ("\nProjected to 240 problems x 32 samples (the pilot: 40 x 16), pass@4: V' = V - 2 (I + S(16)) / 40",
+                 "\n  components (points²): seed part ", "\n  V' = 200.00 - 2 x (", "\n  projected sd of a per-seed ",
+                 "\n  projected seed pairs needed: ", "\n  cross-check: ", "\n  16 "):  # n' = 16 only: 32 > the pilot's n
+        assert line in out
 
 
 def test_plan_flag_and_its_bad_input(tmp_path, capsys):

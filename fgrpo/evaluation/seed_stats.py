@@ -1,5 +1,6 @@
 """Statistics over seeds (``python -m fgrpo.report``): the paired over-seeds test of two cells run with the same
-seeds, the split of a metric's run-to-run variance into training and evaluation parts, and the seed planner.
+seeds and the split of a metric's run-to-run variance into training and evaluation parts (the seed planner that
+builds on both is :mod:`fgrpo.evaluation.seed_planner`).
 
 The first half holds pure functions on arrays; the second half reads their inputs from a sweep's runs.
 
@@ -19,9 +20,6 @@ the problems x seeds table is split as a two-way layout with one value per entry
 Var(run) (pooled over cells, weighted by seeds - 1), the residual mean square MS_res (pooled, (S - 1)(P - 1) df per
 cell) estimates problem x seed + sampling per problem, and each run's own counts estimate its sampling variance
 (:func:`sampling_variance`). So interaction = MS_res / P - sampling, seed = Var(run) - MS_res / P.
-
-Planner (:func:`pairs_needed`): the smallest number of seed pairs whose two-sided paired t-test at alpha detects a
-given mean difference with the given power, from the exact noncentral-t power (``scipy.stats.nct``).
 """
 
 from __future__ import annotations
@@ -31,17 +29,16 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from scipy import special, stats
+from scipy import stats
 
 from fgrpo.algorithm.advantage_settings import REFERENCE
 from fgrpo.evaluation.eval_counts import load_counts
 from fgrpo.evaluation.significance import pass_at_k_table
-from fgrpo.evaluation.sweep_runs import FREE_KEYS, Cell, ReportError, Run, pass_at_ks, reference_cell
+from fgrpo.evaluation.sweep_runs import FREE_KEYS, Cell, ReportError, Run, reference_cell
 from fgrpo.infra.errors import CompareError
 
 EXACT_SIGN_FLIPS = 20  # up to this many pairs every 2^S sign flip is enumerated (2^20: about a second)
 SIGN_FLIP_RESAMPLES = 100_000  # random flips beyond that
-MOST_PAIRS = 100  # the planner's search range is 2..MOST_PAIRS
 VARIANCE_KS = (1, 16, 64)
 
 
@@ -97,33 +94,6 @@ def paired_seed_test(values_a: Sequence[float], values_b: Sequence[float], *, co
         t_p = float(result.pvalue)
     flips = sign_flip_p(differences, exact_up_to=exact_up_to, seed=seed)
     return PairedSeedTest(differences, mean, low, high, t_p, flips, differences.size <= exact_up_to)
-
-
-# ---------------------------------------------------------------- the seed planner
-
-
-def paired_t_power(pairs: int, effect: float, sd: float, alpha: float) -> float:
-    """Power of the two-sided paired t-test at ``alpha`` over ``pairs`` differences of mean ``effect`` and standard
-    deviation ``sd``: P(|T| > t_{1-alpha/2, pairs-1}) with T noncentral t, noncentrality effect / sd * sqrt(pairs)."""
-    df = pairs - 1
-    critical = stats.t.ppf(1 - alpha / 2, df)
-    noncentrality = effect / sd * np.sqrt(pairs)
-    return float(stats.nct.sf(critical, df, noncentrality) + stats.nct.cdf(-critical, df, noncentrality))
-
-
-def pairs_needed(effect: float, sd: float, alpha: float, power: float, most: int = MOST_PAIRS) -> int | None:
-    """The fewest seed pairs (2..most) whose paired t-test reaches ``power``; None when even ``most`` do not.
-    For sd 1, effect 1, alpha 0.05, power 0.8: 10."""
-    if effect <= 0 or sd <= 0 or not 0 < alpha < 1 or not 0 < power < 1:
-        raise ValueError(f"need effect > 0, sd > 0, 0 < alpha < 1, 0 < power < 1; got {effect}, {sd}, {alpha}, {power}")
-    return next((n for n in range(2, most + 1) if paired_t_power(n, effect, sd, alpha) >= power), None)
-
-
-def expected_half_width(pairs: int, sd: float, confidence: float = 0.90) -> float:
-    """E[half-width] of the t interval of the mean of ``pairs`` differences with standard deviation ``sd``:
-    t_{(1+confidence)/2, pairs-1} c4 sd / sqrt(pairs), c4 = E[s] / sd (the sample sd is biased low)."""
-    c4 = np.sqrt(2 / (pairs - 1)) * np.exp(special.gammaln(pairs / 2) - special.gammaln((pairs - 1) / 2))
-    return float(stats.t.ppf((1 + confidence) / 2, pairs - 1) * c4 * sd / np.sqrt(pairs))
 
 
 # ---------------------------------------------------------------- the variance split
@@ -256,7 +226,7 @@ def compared_pairs(cells: dict[CellKey, list[Run]]) -> list[tuple[CellKey, CellK
     return [(key, base) for key, base in pairs if key != base and base in cells]
 
 
-def _seeds(cell_runs: list[Run]) -> list[str]:
+def cell_seeds(cell_runs: list[Run]) -> list[str]:
     return [str(r.config.get("seed")) for r in cell_runs]
 
 
@@ -264,7 +234,7 @@ def paired_values(cells: dict[CellKey, list[Run]], key: CellKey, base: CellKey,
                   metric: str) -> tuple[list[str], np.ndarray, np.ndarray]:
     """(seeds, [S] values of ``key``, [S] values of ``base``): each run's final ``eval/<metric>`` in points, by seed.
     Raises ReportError (one line) when the two cells' seeds differ."""
-    seeds_a, seeds_b = _seeds(cells[key]), _seeds(cells[base])
+    seeds_a, seeds_b = cell_seeds(cells[key]), cell_seeds(cells[base])
     if sorted(seeds_a) != sorted(seeds_b):
         raise ReportError(f"paired test over seeds: {cell_label(key)} has seeds {', '.join(seeds_a)} but "
                           f"{cell_label(base)} has seeds {', '.join(seeds_b)}; a paired test needs the same seeds on "
@@ -309,7 +279,7 @@ PAIRED_NOTE = ("Paired over seeds: Δ = A − B of the runs' final values in poi
                "(0.25 at 3 seeds).")
 
 
-def _final_counts(run: Run) -> tuple[list[tuple[str, str]], int, np.ndarray] | None:
+def final_counts(run: Run) -> tuple[list[tuple[str, str]], int, np.ndarray] | None:
     """(problem ids, n, [P] correct counts) of the run's final evaluation, problems sorted; None without counts."""
     try:
         counts = load_counts(run.path, step=run.final.get("step"))
@@ -319,11 +289,30 @@ def _final_counts(run: Run) -> tuple[list[tuple[str, str]], int, np.ndarray] | N
     return ids, counts.n, np.array([counts.correct[d][p] for d, p in ids])
 
 
-def _no_spread_error(cells: dict[CellKey, list[Run]], what: str) -> ReportError:
+def no_spread_error(cells: dict[CellKey, list[Run]], what: str) -> ReportError:
     listed = "; ".join(f"{cell_label(key)}: {len(cell_runs)} seed{'s' if len(cell_runs) != 1 else ''}"
                        for key, cell_runs in cells.items())
     return ReportError(f"{what} needs a cell with two or more seeds to estimate the spread from seed to seed; "
                        f"every cell has fewer ({listed})")
+
+
+def count_tables(cells: dict[CellKey, list[Run]], what: str) -> tuple[list[np.ndarray], int, int, int]:
+    """(one [S_c, P] table of final correct counts per cell with two or more runs that wrote counts, P, n, runs
+    left out for want of eval_counts.jsonl). Raises ReportError (one line, naming ``what``) when no run wrote counts
+    or the runs' final evaluations differ in their problems or n."""
+    counts = {key: [c for r in cell_runs if (c := final_counts(r)) is not None] for key, cell_runs in cells.items()}
+    left_out = sum(len(cells[key]) - len(found) for key, found in counts.items())
+    found = [c for cell in counts.values() for c in cell]
+    if not found:
+        raise ReportError(f"{what} needs the runs' per-problem counts (eval_counts.jsonl); no run here wrote them")
+    ids, n = found[0][0], found[0][1]
+    if any(c[0] != ids or c[1] != n for c in found):
+        raise ReportError(f"{what}: the runs' final evaluations differ in their problems or in n; evaluate every "
+                          "run on the same problems with the same eval.n_samples")
+    tables = [np.stack([c[2] for c in cell]) for cell in counts.values() if len(cell) >= 2]
+    if not tables:
+        raise ReportError(f"{what} needs a cell with two or more runs that wrote eval_counts.jsonl; none has")
+    return tables, len(ids), n, left_out
 
 
 def variance_table(runs: list[Run]) -> tuple[list[str], list[list[str]], list[str]]:
@@ -332,17 +321,8 @@ def variance_table(runs: list[Run]) -> tuple[list[str], list[list[str]], list[st
     check_same_eval_settings(runs)
     cells = config_cells(runs)
     if max(len(cell_runs) for cell_runs in cells.values()) < 2:
-        raise _no_spread_error(cells, "--variance")
-    counts = {key: [c for r in cell_runs if (c := _final_counts(r)) is not None] for key, cell_runs in cells.items()}
-    left_out = sum(len(cells[key]) - len(found) for key, found in counts.items())
-    found = [c for cell in counts.values() for c in cell]
-    if not found:
-        raise ReportError("--variance needs the runs' per-problem counts (eval_counts.jsonl); no run here wrote them")
-    ids, n = found[0][0], found[0][1]
-    if any(c[0] != ids or c[1] != n for c in found):
-        raise ReportError("--variance: the runs' final evaluations differ in their problems or in n; evaluate every "
-                          "run on the same problems with the same eval.n_samples")
-    tables = [np.stack([c[2] for c in cell]) for cell in counts.values() if len(cell) >= 2]
+        raise no_spread_error(cells, "--variance")
+    tables, problems, n, left_out = count_tables(cells, "--variance")
     header = ["metric", "pooled seed sd", "one-run sampling sd", "problem x seed sd", "training sd",
               "problem-level share", "df (runs; problem x seed)", "sampling estimate"]
     rows = []
@@ -353,7 +333,7 @@ def variance_table(runs: list[Run]) -> tuple[list[str], list[list[str]], list[st
         rows.append([f"pass@{k}", *(_sd_text(v) for v in parts), f"{problem_level:.0%}",
                      f"{split.run_df}; {split.interaction_df}", split.method])
     notes = [f"{sum(len(t) for t in tables)} runs in {len(tables)} cells with two or more seeds (of {len(cells)} "
-             f"cells), {len(ids)} problems, n = {n} samples each; sds in points of the run's final pass@k (the "
+             f"cells), {problems} problems, n = {n} samples each; sds in points of the run's final pass@k (the "
              "problems of every eval set as one set: the logged eval/pass@k where there is one eval set)."
              + (f" {left_out} runs without eval_counts.jsonl left out." if left_out else ""),
              "pooled seed sd: the spread of a cell's runs from seed to seed (pooled over cells; df = sum of seeds - "
@@ -370,55 +350,3 @@ def variance_table(runs: list[Run]) -> tuple[list[str], list[list[str]], list[st
 def _sd_text(variance: float) -> str:
     """A variance (squared proportion) as an sd in points; an estimate below zero as such."""
     return f"{100 * np.sqrt(variance):.2f}" if variance >= 0 else f"<0 ({1e4 * variance:+.2f} pt²)"
-
-
-def _pooled_sd(groups: list[np.ndarray]) -> tuple[float, int]:
-    """(pooled sd, df) of several groups of values, each with its own mean; groups of one value add nothing."""
-    groups = [g for g in groups if len(g) >= 2]
-    df = sum(len(g) - 1 for g in groups)
-    return float(np.sqrt(sum(np.sum((g - g.mean()) ** 2) for g in groups) / df)), df
-
-
-def plan_text(runs: list[Run], *, effect: float, alpha: float, power: float, metric: str) -> str:
-    """``--plan``: the seed pairs a two-sided paired t-test needs to detect ``effect`` points of ``metric`` at
-    ``alpha`` with ``power``, from the sd of the pilot runs' per-seed paired differences (pooled over the compared
-    pairs, on the seeds both cells have), else sqrt(2) x the pooled seed sd; and the 90% interval half-width
-    expected under no effect at that many pairs."""
-    check_same_eval_settings(runs)
-    cells = config_cells(runs)
-    missing = [r for cell_runs in cells.values() for r in cell_runs if f"eval/{metric}" not in r.final]
-    if missing:
-        have = ", ".join(f"pass@{k}" for k in pass_at_ks(missing[0].final))
-        raise ReportError(f"--metric {metric}: {missing[0].path} logged no eval/{metric} (it has {have}); "
-                          "pass one of those")
-    if max(len(cell_runs) for cell_runs in cells.values()) < 2:
-        raise _no_spread_error(cells, "--plan")
-    differences, used = [], []
-    for key, base in compared_pairs(cells):
-        common = [s for s in _seeds(cells[key]) if s in _seeds(cells[base])]
-        if len(common) >= 2:
-            value = {label: {str(r.config.get("seed")): 100 * r.final[f"eval/{metric}"] for r in cells[label]}
-                     for label in (key, base)}
-            differences.append(np.array([value[key][s] - value[base][s] for s in common]))
-            used.append(f"{cell_label(key)} vs gamma=0 ({len(common)} seeds)")
-    if differences:
-        sd, df = _pooled_sd(differences)
-        source = (f"the pooled sd of the per-seed paired differences, {df} df, over {len(used)} pairs: "
-                  + "; ".join(used))
-    else:
-        seed_sd, df = _pooled_sd([np.array([100 * r.final[f"eval/{metric}"] for r in c]) for c in cells.values()])
-        sd = np.sqrt(2) * seed_sd
-        source = (f"no pair of cells shares two seeds: sqrt(2) x the pooled seed sd ({seed_sd:.2f} points, {df} df, "
-                  "pooled over the cells), i.e. pairing assumed to gain nothing")
-    needed = pairs_needed(effect, sd, alpha, power)
-    at = needed or MOST_PAIRS
-    lines = [f"Seed planner, {metric}: detect {effect:g} points with a two-sided paired t-test at alpha {alpha:g}, "
-             f"power {power:g}",
-             f"sd of a per-seed difference: {sd:.2f} points ({source})",
-             (f"seed pairs needed: {needed} (power {paired_t_power(needed, effect, sd, alpha):.3f}"
-              + (f"; {needed - 1} give {paired_t_power(needed - 1, effect, sd, alpha):.3f})" if needed > 2 else ")"))
-             if needed else f"seed pairs needed: more than {MOST_PAIRS} (power at {MOST_PAIRS}: "
-                            f"{paired_t_power(MOST_PAIRS, effect, sd, alpha):.3f})",
-             f"90% interval half-width expected under no effect at {at} pairs: +-{expected_half_width(at, sd):.2f} "
-             "points (an equivalence margin must be wider than this to be reachable)"]
-    return "\n".join(lines)

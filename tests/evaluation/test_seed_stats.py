@@ -1,5 +1,6 @@
-"""fgrpo.evaluation.seed_stats: the paired over-seeds test, the planner and the variance split against hand
-computations, known values and simulated sweeps with known components."""
+"""fgrpo.evaluation.seed_stats and seed_planner: the paired over-seeds test, the planner, its projection to another
+evaluation design and the variance split against hand computations, known values and simulated sweeps with known
+components."""
 
 import itertools
 from pathlib import Path
@@ -8,10 +9,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from fgrpo.evaluation.seed_stats import (check_same_eval_settings, config_cells, expected_half_width,
-                                         paired_seed_test, paired_t_power, paired_values, pairs_needed,
-                                         per_problem_pass_at_k, plan_text, sampling_variance, sign_flip_p,
-                                         variance_split)
+from fgrpo.evaluation.seed_planner import (VARIANCE_FLOOR, _Design, binomial_sampling_variance, clamped,
+                                           expected_half_width, paired_interaction, paired_t_power, pairs_needed,
+                                           plan_text, projected_sampling_variance, projected_variance)
+from fgrpo.evaluation.seed_stats import (check_same_eval_settings, config_cells, paired_seed_test, paired_values,
+                                         per_problem_pass_at_k, sampling_variance, sign_flip_p, variance_split)
 from fgrpo.evaluation.sweep_runs import ReportError, Run
 
 
@@ -66,6 +68,11 @@ def test_pairs_needed_known_values():
         pairs_needed(0.0, 1.0, 0.05, 0.8)
 
 
+def test_power_has_no_nan_where_scipys_lower_tail_has():
+    assert paired_t_power(4, 4.0, np.sqrt(1.19), 0.01) == pytest.approx(0.789, abs=0.001)  # nct.cdf gave nan here
+    assert 0.5 < paired_t_power(3, 4.0, 0.8, 0.01) < 0.6
+
+
 def test_expected_half_width_matches_simulation():
     rng = np.random.default_rng(0)
     samples = rng.normal(0.0, 2.0, size=(200_000, 5))
@@ -93,6 +100,81 @@ def test_sampling_variance_beyond_n_over_2_is_the_binomial_bootstrap():
     missed = (1 - counts / n) ** n  # pass@16 of 16 samples is "any correct": bootstrap var q (1 - q)
     np.testing.assert_allclose(sampling_variance(counts, n, n), missed * (1 - missed), atol=1e-12)
     np.testing.assert_allclose(sampling_variance(counts, n, 1), counts * (n - counts) / (n ** 2 * (n - 1)))
+
+
+# ---------------------------------------------------------------- projection to another evaluation design
+
+
+@pytest.mark.parametrize(("n", "k"), [(6, 2), (5, 1), (4, 4)])
+def test_binomial_sampling_variance_matches_brute_force_enumeration(n, k):
+    p = 0.3
+    values, weights = [], []
+    for outcome in itertools.product([0, 1], repeat=n):  # every sequence of n samples
+        # pass@k by definition: the share of the k-subsets of the samples with a correct one
+        values.append(np.mean([any(outcome[i] for i in subset) for subset in itertools.combinations(range(n), k)]))
+        weights.append(p ** sum(outcome) * (1 - p) ** (n - sum(outcome)))
+    values, weights = np.array(values), np.array(weights)
+    brute = weights @ values ** 2 - (weights @ values) ** 2
+    assert binomial_sampling_variance(p, n, k) == pytest.approx(brute, rel=1e-12)
+    assert binomial_sampling_variance([0.0, 1.0], n, k) == pytest.approx([0.0, 0.0], abs=1e-15)
+
+
+@pytest.mark.parametrize("new_n", [3, 8, 12, 40])
+def test_projected_sampling_variance_is_unbiased_and_the_splits_own_at_the_pilots_n(new_n):
+    n, k, counts = 12, 3, np.arange(13)
+    for p in (0.05, 0.5, 0.9):
+        expected = stats.binom.pmf(counts, n, p) @ projected_sampling_variance(counts, n, new_n, k)
+        assert expected == pytest.approx(binomial_sampling_variance(p, new_n, k), rel=1e-9, abs=1e-15)
+    np.testing.assert_allclose(projected_sampling_variance(counts, n, n, k), sampling_variance(counts, n, k),
+                               atol=1e-13)
+    # 2k > n: no unbiased estimate; p = c / n plugged in, at new_n = n the split's bootstrap
+    np.testing.assert_allclose(projected_sampling_variance(counts, n, n, 8), sampling_variance(counts, n, 8),
+                               atol=1e-13)
+
+
+def test_projected_sampling_variance_refuses_k_above_the_new_n():
+    with pytest.raises(ValueError, match="1 <= k <= n samples; got k=16, n=8"):
+        projected_sampling_variance(np.array([3, 40]), 64, 8, 16)
+    with pytest.raises(ValueError, match="k <= n"):
+        binomial_sampling_variance(0.5, 8, 16)
+    runs = [Run(Path(f"/runs/{seed}"), {"algo.name": "grpo", "focal.gamma": 0.0, "seed": seed},
+                [{"step": 2, "eval/pass@16": 0.5 + 0.1 * seed}]) for seed in (0, 1)]
+    with pytest.raises(ReportError) as error:
+        plan_text(runs, effect=4.0, alpha=0.01, power=0.8, metric="pass@16", samples=8)
+    assert str(error.value) == ("--samples 8 is below k = 16 of --metric pass@16: the unbiased pass@k needs at least "
+                                "k samples per problem")
+
+
+def test_projection_to_the_pilots_design_is_the_pilot_and_4x_problems_quarter_the_problem_parts():
+    seed_part, interaction, sampling, problems = 3.0, 500.0, 60.0, 60  # points², the last two per problem
+    pilot = seed_part + 2 * (interaction + sampling) / problems
+    assert projected_variance(pilot, interaction, sampling, sampling, problems, problems) == pytest.approx(pilot)
+    four_times = projected_variance(pilot, interaction, sampling, sampling, problems, 4 * problems)
+    assert four_times - seed_part == pytest.approx((pilot - seed_part) / 4)
+    fewer_samples = projected_variance(pilot, interaction, sampling, 3 * sampling, problems, 4 * problems)
+    assert fewer_samples - four_times == pytest.approx(2 * 2 * sampling / (4 * problems))
+    assert clamped(pilot - 100) == (VARIANCE_FLOOR, True) and clamped(pilot) == (pilot, False)
+    # from counts: the sampling part pooled over the tables at the pilot's own n is the split's, so V' = V
+    tables, _ = simulate_cells(0.04, 0.08, cells=5)
+    split = variance_split(tables, 32, 4)
+    design = _Design(pilot, 1e4 * split.interaction * 40, tables, 32, 4, 40, 40)
+    assert design.sampling(32) == pytest.approx(1e4 * split.sampling * 40)
+    assert design.variance(32) == (pytest.approx(pilot), False)
+    assert design.sampling(16) > design.sampling(32)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_paired_interaction_sees_a_problem_x_seed_part_that_the_pair_shares(shared):
+    rng = np.random.default_rng(2)
+    pairs, half = [], 0.08 * np.sqrt(3)  # interaction sd 0.08, uniform
+    for _ in range(200):
+        base = rng.uniform(0.35, 0.65, 40)[None, :] + rng.uniform(-0.07, 0.07, (3, 1))
+        own = rng.uniform(-half, half, (3, 40))
+        other = own if shared else rng.uniform(-half, half, (3, 40))
+        pairs.append((rng.binomial(32, base + own), rng.binomial(32, base + 0.05 + other)))
+    interaction, df = paired_interaction(pairs, 32, 1)
+    assert df == 200 * 2 * 39
+    assert interaction == (pytest.approx(0.0, abs=0.0004) if shared else pytest.approx(0.08 ** 2, rel=0.1))
 
 
 def simulate_cells(seed_sd: float, interaction_sd: float, *, cells=300, seeds=3, problems=40, n=32, rng_seed=0):
