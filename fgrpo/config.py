@@ -417,7 +417,7 @@ def _check_learner_layout(hw, need, attentions: tuple) -> None:
 # the magnitude of a typical weight of a trained LLM's linear layers (Qwen2.5-7B's: std about 0.02, median |w| about
 # 0.013): the scale at which the bf16 / fp16 spacing is judged against the learning rate
 DEFAULT_LR = 1e-5  # AdamW's learning rate when every weight trains
-DEFAULT_LORA_LR = 1e-4  # with model.lora: chosen by a sweep on arith_headroom (docs/lora.md, bench/RESULTS.md)
+DEFAULT_LORA_LR = 2e-4  # with model.lora: chosen by a sweep on arith_headroom (docs/lora.md, bench/RESULTS.md)
 
 
 def learning_rate(lr: float | None, lora_rank: int | None) -> float:

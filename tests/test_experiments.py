@@ -40,6 +40,21 @@ def test_arith_headroom_composes_to_its_documented_settings(compose):
     assert all(any(op in p.id for p in held_out) for op in "+-*")  # operands are >= 0: the op's sign is its own
 
 
+def test_arith_confirm_composes_to_its_preregistered_settings(compose):
+    # docs/results.md, "Pre-registration": 240 held-out problems, a superset of arith_headroom's 60, at 16 samples;
+    # four updates per batch; the three arms from the command line
+    arms = {"focal.gamma=0": ("focal", 0.0), "focal.gamma=1": ("focal", 1.0), "advantage=mean_focal": ("mean_focal", 1.0)}
+    for arm, (method, gamma) in arms.items():
+        cfg = compose("experiment=arith_confirm", arm, "seed=3")
+        assert (cfg.advantage.name, cfg.focal.gamma, cfg.seed) == (method, gamma, 3)
+        assert cfg.algo.name == "grpo" and cfg.trainer.mini_batches == 4 and cfg.trainer.steps == 40
+        assert (cfg.eval.n_samples, cfg.eval.max_problems, cfg.eval.every, cfg.eval.before) == (16, 240, 0, False)
+        assert cfg.hardware.autocast_dtype is None and cfg.hardware.sampler_dtype == "float32"
+    train, held_out = arithmetic_problems(ops=cfg.dataset.arithmetic.ops, max_operand=19, n_eval=240)
+    _, pilot_held_out = arithmetic_problems(ops=cfg.dataset.arithmetic.ops, max_operand=19, n_eval=60)
+    assert (len(train), len(held_out)) == (960, 240) and held_out[:60] == pilot_held_out
+
+
 def test_arith_headroom_one_step_smoke_run_on_tiny_random(tmp_path):
     """The experiment's own data and evaluation at tiny_random sizes: one step, evaluated before and after."""
     result = run_cli(tmp_path, "experiment=arith_headroom", "model=tiny_random", "sampler=hf", "logger=none",

@@ -186,8 +186,8 @@ def test_a_resume_that_mixes_lora_and_full_weights_is_refused(compose):
 
     full, lora = to_container(compose()), to_container(compose("model.lora.rank=8"))
     # the unset lr is each one's default: they differ too
-    assert experiment_differences(full, lora) == ["model.lora.rank: None -> 8", "trainer.lr: 1e-05 -> 0.0001"]
-    assert experiment_differences(lora, full) == ["model.lora.rank: 8 -> None", "trainer.lr: 0.0001 -> 1e-05"]
+    assert experiment_differences(full, lora) == ["model.lora.rank: None -> 8", "trainer.lr: 1e-05 -> 0.0002"]
+    assert experiment_differences(lora, full) == ["model.lora.rank: 8 -> None", "trainer.lr: 0.0002 -> 1e-05"]
     before_lora = copy.deepcopy(full)
     del before_lora["model"]["lora"]  # a checkpoint written before model.lora existed
     assert experiment_differences(before_lora, lora)[0] == "model.lora.rank: <absent: every weight trained> -> 8"

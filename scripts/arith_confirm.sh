@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One seed of the pre-registered confirmatory run (docs/results.md, "Pre-registration"): its three arms one after
+# another, in the order rotated per seed, each from the pre-registration's own commit of fgrpo/ and conf/ (a git
+# worktree of that commit), each run's small files copied to docs/results/arith_confirm/runs/<arm>_seed<SEED>/ for
+# committing. A run cut short starts again from the beginning (its directory is replaced): no resume.
+#
+#   bash scripts/arith_confirm.sh 3          # seed 3: GRPO, F-GRPO, the step-size control
+#   bash scripts/arith_confirm.sh 4          # seed 4: F-GRPO, the control, GRPO
+set -euo pipefail
+seed=${1:?usage: bash scripts/arith_confirm.sh SEED (3 to 18, docs/results.md)}
+if ! [[ $seed =~ ^[0-9]+$ ]] || (( seed < 3 || seed > 18 )); then
+    echo "seed $seed: the pre-registration fixes seeds 3 to 18" >&2; exit 2
+fi
+repo=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-$repo/.venv/bin/python}
+prereg=$(git -C "$repo" log --diff-filter=A --format=%H -- conf/experiment/arith_confirm.yaml | tail -1)
+[[ -n $prereg ]] || { echo "conf/experiment/arith_confirm.yaml is not committed: commit the pre-registration first" >&2; exit 2; }
+[[ -d $repo/docs/results/arith_confirm/rare_set ]] || {
+    echo "no docs/results/arith_confirm/rare_set: build it once, before the first run (docs/results.md)" >&2; exit 2; }
+tree=${ARITH_CONFIRM_TREE:-$repo/outputs/arith_confirm/tree-${prereg:0:12}}
+[[ -d $tree ]] || git -C "$repo" worktree add --detach "$tree" "$prereg"
+arms=("grpo focal.gamma=0" "fgrpo focal.gamma=1" "control advantage=mean_focal")
+for i in 0 1 2; do
+    arm=${arms[$(( (seed - 3 + i) % 3 ))]}
+    name=${arm%% *}; override=${arm#* }
+    run=$repo/outputs/arith_confirm/${name}_seed$seed
+    rm -rf "$run"
+    echo "seed $seed, $name ($override), from ${prereg:0:12}: $run" >&2
+    (cd "$tree" && "$python" run.py experiment=arith_confirm "$override" "seed=$seed" \
+        "eval.rare_set=$repo/docs/results/arith_confirm/rare_set" "hydra.run.dir=$run")
+    keep=$repo/docs/results/arith_confirm/runs/${name}_seed$seed
+    rm -rf "$keep" && mkdir -p "$keep"
+    cp -r "$run/.hydra" "$run/metrics.jsonl" "$run/eval_counts.jsonl" "$run/summary.json" "$keep/"
+    # the CPU kind that ran it (the arms of a seed run on one kind; docs/results.md names it per run)
+    kind=$(grep -o 'avx512_bf16\|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ' || true)
+    echo "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs): ${kind:-AVX2 only}" > "$keep/cpu_kind.txt"
+done
