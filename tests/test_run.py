@@ -309,22 +309,30 @@ def test_dapo_options_run_and_skip_steps_without_mixed_groups(tmp_path):
 
 def test_the_loop_applies_the_focal_weight_to_each_group(tmp_path):
     # nothing patched: the same first batch (sampled before any update) under gamma = 0 and gamma = 1; each
-    # mixed group's mean |advantage| shrinks by exactly its focal weight 1 - mu_hat (Eqs. 11-13)
+    # mixed group's mean |advantage| shrinks by exactly its focal weight 1 - mu_hat (Eqs. 11-13); the step-size
+    # control (advantage=mean_focal, gamma 1) shrinks every mixed group by their mean weight instead
     common = ["trainer.steps=1", "trainer.prompts_per_step=6", "algo.group_size=8", "eval.n_samples=1",
               "eval.max_problems=1", "sampler=hf", "hardware.compile_learner=false", "logger=none"]
     steps = {}
-    for gamma in (0.0, 1.0):
-        result = run_cli(tmp_path / str(gamma), *common, f"focal.gamma={gamma}")
+    for arm in ("focal.gamma=0", "focal.gamma=1", "advantage=mean_focal"):
+        result = run_cli(tmp_path / arm, *common, arm)
         assert result.returncode == 0, result.stderr[-3000:]
-        steps[gamma] = next(r for r in read_metrics(tmp_path / str(gamma) / "metrics.jsonl") if "train/loss" in r)
-    rates = steps[0.0]["train/success_rate_hist"]
-    assert rates == steps[1.0]["train/success_rate_hist"]
+        steps[arm] = next(r for r in read_metrics(tmp_path / arm / "metrics.jsonl") if "train/loss" in r)
+    rates = steps["focal.gamma=0"]["train/success_rate_hist"]
+    assert rates == steps["focal.gamma=1"]["train/success_rate_hist"] == steps["advantage=mean_focal"]["train/success_rate_hist"]
     mixed = [i for i, rate in enumerate(rates) if 0 < rate < 1]
     assert mixed, f"no mixed group in the first batch (success rates {rates}): pick another seed"
-    plain, focal = steps[0.0]["train/adv_abs_mean_per_group"], steps[1.0]["train/adv_abs_mean_per_group"]
+    plain, focal, control = (steps[arm]["train/adv_abs_mean_per_group"]
+                             for arm in ("focal.gamma=0", "focal.gamma=1", "advantage=mean_focal"))
+    mean_weight = np.mean([1 - rates[i] for i in mixed])
     for i in mixed:
         assert focal[i] == pytest.approx(plain[i] * (1 - rates[i]), rel=1e-5), (i, rates[i])
-    assert steps[1.0]["train/focal_weight_mean"] == pytest.approx(np.mean([1 - r for r in rates]), rel=1e-5)
+        assert control[i] == pytest.approx(plain[i] * mean_weight, rel=1e-5), (i, rates[i])
+    assert steps["focal.gamma=1"]["train/focal_weight_mean"] == pytest.approx(np.mean([1 - r for r in rates]), rel=1e-5)
+    # the update's size is logged: the gradient norm, and the advantages' L2 norm, which the control scales as a whole
+    assert all(steps[arm]["train/grad_norm"] > 0 and steps[arm]["train/adv_norm"] > 0 for arm in steps)
+    assert steps["advantage=mean_focal"]["train/adv_norm"] == pytest.approx(
+        steps["focal.gamma=0"]["train/adv_norm"] * mean_weight, rel=1e-5)
 
 
 def test_the_loop_applies_the_chosen_advantage_method(tmp_path):
