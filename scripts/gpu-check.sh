@@ -12,7 +12,8 @@
 #      then TRL's learner on the same batch (bench/trl_learner_step.py); no sampling. The report's targets:
 #      learner >= 35% of the card's bf16 matmul rate, >= 1.5x TRL's learner, state and activations within 15%;
 #   3. as time allows, side by side: torchrun --nproc_per_node 1 with hardware.fsdp=true, and with
-#      hardware.cpu_offload=true; pytest -m gpu; fgrpo.evaluate, fgrpo.compare, fgrpo.rare_nll score on cuda; then
+#      hardware.cpu_offload=true; pytest -m gpu; fgrpo.evaluate, fgrpo.compare, fgrpo.rare_nll score on cuda; a
+#      LoRA run (model.lora.rank=16, where peft is installed: scripts/gpu-carry-lora.sh); then
 #      alone: ours again with the layout sized from the card's memory (micro_batch_tokens=auto
 #      keep_matmul_outputs_gib=auto), and sampler=vllm where vLLM is installed.
 #
@@ -21,7 +22,7 @@
 # OUT_DIR defaults to outputs/gpu-check/<date-time>; the report is OUT_DIR/report.md, each check's log in
 # OUT_DIR/logs/, the benchmarks' numbers in OUT_DIR/bench/*.json. Exit 0: nothing failed and 1-2 ran; 1: a check
 # failed; 2: a check of 1-2 ran out of time (those of 3 get what time is left; their state is in the report). Its reports go into bench/RESULTS.md. On a machine without network or the project's venv: first
-# `bash ../shared/gpu-carry.sh` where the project is set up, then on the GPU machine
+# `bash ../shared/gpu-carry.sh && bash scripts/gpu-carry-lora.sh` where the project is set up, then on the GPU machine
 # `. .gpu-carry/env.sh && bash scripts/gpu-check.sh`.
 # FGRPO_PYTHON picks the interpreter (default: the repo's .venv if it has CUDA torch, else python3).
 set -euo pipefail

@@ -54,7 +54,7 @@ BENCH_MODEL = "qwen2_5_1_5b_random"
 # (about 45 s of compile, 4 + 3 steps of 1.5-4 s), TRL's 40-60 s.
 BOX = {"run": 120, "resume": 150, "resume-equal": 60, "bench-learner": 150, "bench-trl": 120,
        "bench-learner-auto": 90, "evaluate": 90,
-       "rare-nll": 90, "compare": 60, "torchrun": 120, "vllm": 150, "pytest-gpu": 600}
+       "rare-nll": 90, "compare": 60, "torchrun": 120, "vllm": 150, "pytest-gpu": 600, "lora": 120}
 # the learner with the layout sized from the card's memory (hardware auto keys), beside the fixed defaults
 AUTO_LAYOUT = ("micro_batch_tokens=auto", "keep_matmul_outputs_gib=auto")
 BENCH_RESERVE_S = 200  # kept for the benchmarks after the resume pairs: what they are expected to take, and margin
@@ -325,6 +325,16 @@ def bench_auto(ctx: Context, args) -> None:
                                                                  name="learner-auto"))
 
 
+def lora_run(ctx: Context) -> None:
+    """A short run with LoRA adapters (the packed GPU learner, the merged push); skipped where peft is missing."""
+    if importlib.util.find_spec("peft") is None:
+        skip(ctx, "run-lora", "run.py hardware=gpu model.lora.rank=16", "peft is not installed here: "
+             "bash scripts/gpu-carry-lora.sh beside ../shared/gpu-carry.sh adds its wheel to .gpu-carry")
+        return
+    timed(ctx, "run-lora", "run.py hardware=gpu model.lora.rank=16 (the packed GPU learner with adapters)",
+          BOX["lora"], lambda until: train_run(ctx, until, "run-lora", "model.lora.rank=16"))
+
+
 def optional_phase(ctx: Context) -> None:
     """What time is left: the gpu tests and the other entry points on cuda, side by side."""
     def passed() -> set[str]:
@@ -352,7 +362,8 @@ def optional_phase(ctx: Context) -> None:
                       lambda until: pytest_gpu(ctx, until)),
         lambda: timed(ctx, "evaluate-base", "fgrpo.evaluate of the starting weights on cuda", BOX["evaluate"],
                       lambda until: evaluate(ctx, until, "base")),
-        on_the_trained_run)
+        on_the_trained_run,
+        lambda: lora_run(ctx))
     if {"evaluate-base", "evaluate-trained"} <= passed():
         timed(ctx, "compare", "fgrpo.compare base vs trained", BOX["compare"], lambda until: compare(ctx, until))
     # alone: vLLM measures the card's free memory at start, which other processes' allocations would upset

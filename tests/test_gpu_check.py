@@ -49,6 +49,15 @@ def test_a_check_with_no_time_left_is_skipped_unstarted(ctx):
     assert gpu_check.exit_code([gpu_check.skip(ctx, "no-vllm", "vllm", "vLLM is not installed here")]) == 0
 
 
+def test_the_lora_run_is_skipped_naming_the_carry_script_where_peft_is_missing(ctx, monkeypatch):
+    real = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: None if name == "peft" else real(name))
+    gpu_check.lora_run(ctx)
+    (check,) = ctx.checks
+    assert check.name == "run-lora" and check.state == report.SKIPPED
+    assert "scripts/gpu-carry-lora.sh" in check.result and (REPO / "scripts" / "gpu-carry-lora.sh").is_file()
+
+
 def write_metrics(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
