@@ -221,9 +221,12 @@ def cell_label(key: CellKey) -> str:
 
 
 def compared_pairs(cells: dict[CellKey, list[Run]]) -> list[tuple[CellKey, CellKey]]:
-    """Each cell that is not its algo's plain gamma=0 cell, with that cell (the same other config values)."""
+    """Each cell that is not its algo's plain gamma=0 cell, with that cell (the same other config values); and the
+    step-size control (``mean_focal``) with F-GRPO at its gamma, too: does the reweighting matter beyond the step?"""
     pairs = [(key, (reference_cell(key[0]), key[1])) for key in cells]
-    return [(key, base) for key, base in pairs if key != base and base in cells]
+    pairs += [(((algo, "focal", gamma), rest), key) for key in cells for (algo, method, gamma), rest in [key]
+              if method == "mean_focal"]
+    return [(key, base) for key, base in pairs if key != base and key in cells and base in cells]
 
 
 def cell_seeds(cell_runs: list[Run]) -> list[str]:

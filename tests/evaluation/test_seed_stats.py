@@ -266,3 +266,12 @@ def test_plan_without_shared_seeds_uses_sqrt_2_seed_sd_and_names_a_missing_metri
     with pytest.raises(ReportError, match=r"--metric pass@16: /runs/grpo_0.0_0 logged no eval/pass@16 \(it has "
                                           r"pass@1\)"):
         plan_text(runs, effect=5.0, alpha=0.05, power=0.8, metric="pass@16")
+
+
+def test_the_step_size_control_is_paired_with_grpo_and_with_f_grpo_at_its_gamma():
+    from fgrpo.evaluation.seed_stats import compared_pairs
+
+    grpo, fgrpo, control = ((("grpo", m, g), ()) for m, g in (("focal", 0.0), ("focal", 1.0), ("mean_focal", 1.0)))
+    pairs = compared_pairs({grpo: [], fgrpo: [], control: []})
+    assert pairs == [(fgrpo, grpo), (control, grpo), (fgrpo, control)]  # F-GRPO minus the control: the reweighting
+    assert compared_pairs({grpo: [], fgrpo: []}) == [(fgrpo, grpo)]
