@@ -314,10 +314,10 @@ def test_the_loop_applies_the_focal_weight_to_each_group(tmp_path):
     common = ["trainer.steps=1", "trainer.prompts_per_step=6", "algo.group_size=8", "eval.n_samples=1",
               "eval.max_problems=1", "sampler=hf", "hardware.compile_learner=false", "logger=none"]
     steps = {}
-    for arm in ("focal.gamma=0", "focal.gamma=1", "advantage=mean_focal"):
-        result = run_cli(tmp_path / arm, *common, arm)
+    for i, arm in enumerate(("focal.gamma=0", "focal.gamma=1", "advantage=mean_focal")):
+        result = run_cli(tmp_path / f"arm{i}", *common, arm)  # no "=" in a run directory's name: Hydra would parse it
         assert result.returncode == 0, result.stderr[-3000:]
-        steps[arm] = next(r for r in read_metrics(tmp_path / arm / "metrics.jsonl") if "train/loss" in r)
+        steps[arm] = next(r for r in read_metrics(tmp_path / f"arm{i}" / "metrics.jsonl") if "train/loss" in r)
     rates = steps["focal.gamma=0"]["train/success_rate_hist"]
     assert rates == steps["focal.gamma=1"]["train/success_rate_hist"] == steps["advantage=mean_focal"]["train/success_rate_hist"]
     mixed = [i for i, rate in enumerate(rates) if 0 < rate < 1]
