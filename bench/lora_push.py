@@ -32,17 +32,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO / "bench") not in sys.path:  # compare_trl beside this file: one parser of PxGxT workloads
+    sys.path.insert(0, str(REPO / "bench"))
+from compare_trl import parse_workload  # noqa: E402
+
 WAYS = ("merged", "vllm-lora")
-
-
-def parse_workload(text: str) -> tuple[int, int, int]:
-    try:
-        p, g, t = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"workload {text!r}: expected PxGxT, e.g. 8x8x32") from None
-    if min(p, g, t) < 1:
-        raise argparse.ArgumentTypeError(f"workload {text!r}: every number must be >= 1")
-    return p, g, t
 
 
 def policy_and_prompts(args):
