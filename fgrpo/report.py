@@ -35,6 +35,7 @@ sign-flip test (:mod:`fgrpo.evaluation.seed_stats`); a pair whose cells ran diff
     python -m fgrpo.report DIR --variance     # run-to-run variance split: training / problem x seed / sampling
     python -m fgrpo.report DIR --plan --effect 4 --alpha 0.01 [--power 0.8] [--metric pass@16]  # pairs needed
     python -m fgrpo.report DIR --plan --effect 4 --problems 240 --samples 32  # projected to another evaluation
+    python -m fgrpo.report DIR --confirm PLAN.yaml  # a pre-registered analysis (fgrpo.evaluation.confirmatory)
 
 ``--problems``/``--samples`` project the pilot's spread to that many held-out problems and samples per problem
 (default the pilot's own) from its variance split (:mod:`fgrpo.evaluation.seed_planner`). These print only. They
@@ -53,6 +54,7 @@ from fgrpo.evaluation.sweep_report import (SIGNIFICANCE_ITERATIONS, build_table,
                                            significance_columns, significance_note)
 from fgrpo.evaluation.sweep_runs import (ReportError, check_same_config, find_missing_jobs, find_runs, largest_final_k,
                                        pass_at_ks)
+from fgrpo.evaluation.confirmatory import analysis_lines, load_plan
 from fgrpo.evaluation.seed_planner import plan_text
 from fgrpo.evaluation.seed_stats import PAIRED_NOTE, paired_tables, variance_table
 
@@ -167,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha", type=float, default=0.05, help="with --plan: two-sided level (default 0.05)")
     parser.add_argument("--power", type=float, default=0.8, help="with --plan: power (default 0.8)")
     parser.add_argument("--metric", default="pass@16", help="with --plan: the metric (default pass@16)")
+    parser.add_argument("--confirm", type=Path, default=None, metavar="PLAN.yaml",
+                        help="print the pre-registered tests of this plan file (refused until every run is done)")
     parser.add_argument("--problems", type=int, default=None,
                         help="with --plan: project to this many held-out problems (default the pilot's)")
     parser.add_argument("--samples", type=int, default=None,
@@ -185,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds == []:
         parser.error("--seeds needs seeds, e.g. --seeds 0,1 (or leave it out for every seed)")
     try:
+        if args.confirm is not None:
+            runs = [r for r in find_runs(args.sweep_dir) if r.status == "completed"]
+            print("\n".join(analysis_lines(runs, load_plan(args.confirm))))
+            return 0
         if args.variance or args.plan:
             plan = (dict(effect=args.effect, alpha=args.alpha, power=args.power, metric=args.metric,
                          problems=args.problems, samples=args.samples) if args.plan else None)

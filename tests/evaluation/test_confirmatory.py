@@ -1,0 +1,132 @@
+"""fgrpo.evaluation.confirmatory: the equivalence and non-inferiority tests against hand computations and scipy, the
+committed plan file, the refusal before every run is in (no interim look), and the fixed test order."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from fgrpo.evaluation.confirmatory import analysis_lines, equivalence_test, load_plan, non_inferiority_test
+from fgrpo.evaluation.sweep_runs import ReportError, Run
+from fgrpo.report import main
+
+PLAN = Path(__file__).resolve().parents[2] / "docs" / "results" / "arith_confirm" / "analysis_plan.yaml"
+ARMS = {"grpo": ("focal", 0.0), "fgrpo": ("focal", 1.0), "control": ("mean_focal", 1.0)}
+
+
+def test_equivalence_is_two_one_sided_tests_and_the_90_interval_inside_the_margin():
+    d = np.array([1.0, -0.5, 2.0, 0.5, 0.0, 1.5])
+    mean, se, df = d.mean(), d.std(ddof=1) / np.sqrt(6), 5
+    result = equivalence_test(d, margin=3.0, alpha=0.05)
+    p_lower = stats.ttest_1samp(d, -3.0, alternative="greater").pvalue
+    p_upper = stats.ttest_1samp(d, 3.0, alternative="less").pvalue
+    assert result.p == pytest.approx(max(p_lower, p_upper))
+    half = stats.t.ppf(0.95, df) * se
+    assert (result.ci_low, result.ci_high) == pytest.approx((mean - half, mean + half))
+    assert result.passed
+    assert not equivalence_test(d, margin=1.0).passed  # the interval reaches past +1
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # TOST at alpha  <=>  the (1 - 2 alpha) interval inside the margin
+        draw = rng.normal(rng.uniform(-3, 3), 2.0, size=8)
+        r = equivalence_test(draw, 2.5, 0.05)
+        assert r.passed == (-2.5 < r.ci_low and r.ci_high < 2.5)
+
+
+def test_non_inferiority_is_scipys_one_sided_test_against_minus_the_margin():
+    d = np.array([-1.0, -2.5, 0.5, -1.5, -0.5, 0.0, -1.0, -2.0])
+    result = non_inferiority_test(d, margin=3.0, alpha=0.01)
+    assert result.p == pytest.approx(stats.ttest_1samp(d, -3.0, alternative="greater").pvalue)
+    assert result.ci_low == pytest.approx(d.mean() - stats.t.ppf(0.99, 7) * d.std(ddof=1) / np.sqrt(8))
+    assert result.passed == (result.ci_low > -3.0)
+    assert not non_inferiority_test(d - 2.0, margin=3.0, alpha=0.01).passed
+    with pytest.raises(ValueError, match="two or more differences"):
+        non_inferiority_test([1.0], 3.0, 0.01)
+    with pytest.raises(ValueError, match="margin > 0"):
+        equivalence_test([1.0, 2.0], 0.0)
+
+
+def test_the_committed_plan_is_the_pre_registration():
+    plan = load_plan(PLAN)
+    assert plan.seeds == tuple(str(s) for s in range(3, 19))
+    assert plan.arms == {"grpo": ("grpo", "focal", 0.0), "fgrpo": ("grpo", "focal", 1.0),
+                         "control": ("grpo", "mean_focal", 1.0)}
+    assert (plan.primary.a, plan.primary.b, plan.primary.metric, plan.primary.alpha) == ("fgrpo", "grpo", "pass@16", 0.01)
+    assert (plan.equivalence_margin, plan.equivalence_alpha) == (3.0, 0.05)
+    assert [(c.a, c.b, c.metric, c.non_inferiority_margin) for c in plan.then] == [
+        ("fgrpo", "control", "pass@16", None), ("fgrpo", "grpo", "pass@1", 3.0)]
+
+
+def test_a_plan_with_a_missing_key_or_unknown_arm_is_named(tmp_path):
+    bad = tmp_path / "plan.yaml"
+    bad.write_text("arms: {a: {algo: grpo, advantage: focal, gamma: 0}}\nseeds: [1, 2]\n")
+    with pytest.raises(ReportError, match="the plan lacks or mistypes 'primary'"):
+        load_plan(bad)
+    bad.write_text(PLAN.read_text().replace("b: control", "b: contrl"))
+    with pytest.raises(ReportError, match="name arms contrl that arms does not define"):
+        load_plan(bad)
+
+
+def make_runs(values: dict[str, list[tuple[float, float]]], seeds=range(3, 19)) -> list[Run]:
+    """Runs of the plan's arms: values[arm][i] = (pass@1, pass@16) of seed seeds[i], as fractions."""
+    runs = []
+    for arm, rows in values.items():
+        method, gamma = ARMS[arm]
+        for seed, (p1, p16) in zip(seeds, rows):
+            config = {"algo.name": "grpo", "focal.gamma": gamma, "advantage.name": method, "seed": seed,
+                      "eval.n_samples": 16, "eval.max_problems": 240, "trainer.steps": 40}
+            final = {"step": 40, "eval/pass@1": p1, "eval/pass@16": p16, "eval/rare_nll_delta": 0.1}
+            steps = [{"step": 1, "train/adv_norm": 2.0 * (method == "focal" and gamma == 0) + 1.0}]
+            runs.append(Run(Path(f"/runs/{arm}_seed{seed}"), config, [final], steps=steps))
+    return runs
+
+
+def arm_values(rng, shift16: float, shift1: float = 0.0, seeds: int = 16) -> list[tuple[float, float]]:
+    return [(0.5 + shift1 + rng.normal(0, 0.01), 0.75 + shift16 + rng.normal(0, 0.01)) for _ in range(seeds)]
+
+
+def test_no_interim_look_names_the_missing_runs():
+    rng = np.random.default_rng(0)
+    runs = make_runs({"grpo": arm_values(rng, 0), "fgrpo": arm_values(rng, 0), "control": arm_values(rng, 0)})
+    with pytest.raises(ReportError) as error:
+        analysis_lines(runs[:-1], load_plan(PLAN))
+    assert str(error.value) == "no interim look: 47 of 48 planned runs have finished; missing control seed 18"
+
+
+def test_a_significant_primary_opens_the_follow_ups_in_order():
+    rng = np.random.default_rng(1)
+    values = {"grpo": arm_values(rng, 0.0), "fgrpo": arm_values(rng, 0.05, shift1=-0.01),
+              "control": arm_values(rng, 0.0)}
+    lines = analysis_lines(make_runs(values), load_plan(PLAN))
+    mean = 100 * np.mean([f[1] - g[1] for f, g in zip(values["fgrpo"], values["grpo"])])
+    assert lines[1].startswith(f"Primary: fgrpo − grpo, pass@16: mean {mean:+.2f} points, 99% interval [")
+    assert "(alpha 0.01: significant); sign-flip p = 0.0000" in lines[1]
+    assert not any(line.startswith("Equivalence") for line in lines)
+    assert lines[2].startswith("Then 1: fgrpo − control, pass@16") and "(alpha 0.01: significant)" in lines[2]
+    assert lines[3].startswith("Then 2: fgrpo − grpo, pass@1, non-inferiority within 3 points: mean -1.")
+    assert lines[3].endswith("(alpha 0.01: non-inferior)")
+    grpo_line = next(line for line in lines if line.startswith("- grpo: "))
+    assert f"pass@16 {100 * np.mean([v[1] for v in values['grpo']]):.2f} [" in grpo_line
+    assert "rare_nll_delta 0.10 [0.10, 0.10]" in grpo_line
+    assert "mean train/adv_norm 3.00 [3.00, 3.00]" in grpo_line
+
+
+def test_a_null_primary_is_called_by_equivalence_and_stops_the_sequence():
+    rng = np.random.default_rng(2)
+    runs = make_runs({"grpo": arm_values(rng, 0.0), "fgrpo": arm_values(rng, 0.0), "control": arm_values(rng, 0.1)})
+    lines = analysis_lines(runs, load_plan(PLAN))
+    assert "not significant" in lines[1]
+    assert lines[2].startswith("Equivalence (TOST at 0.05, margin ±3): 90% interval [")
+    assert lines[2].endswith("equivalent: a null result")
+    assert lines[3] == "Then 1: fgrpo − control, pass@16: not tested (the test before it was not significant)"
+    assert lines[4] == "Then 2: fgrpo − grpo, pass@1: not tested (the test before it was not significant)"
+
+
+def test_the_command_refuses_before_the_runs_in_one_line(tmp_path, capsys):
+    (tmp_path / "run" / ".hydra").mkdir(parents=True)
+    (tmp_path / "run" / ".hydra" / "config.yaml").write_text(
+        "algo: {name: grpo}\nfocal: {gamma: 0}\nseed: 3\ntrainer: {steps: 40}\n")
+    assert main([str(tmp_path), "--confirm", str(PLAN)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: no interim look: 0 of 48 planned runs have finished; missing grpo seed 3, ")
+    assert error.count("\n") == 1
