@@ -99,8 +99,8 @@ def markdown(report: dict) -> str:
         + (", before and after the runs: " + " and ".join(f"{r['fp32_flops'] / 1e9:.1f} / {r['bf16_flops'] / 1e9:.1f}"
                                                            for r in mm["readings"]) if "readings" in mm else "")
         + "). Each phase is also held to the matmul rate of the dtype its matmuls run in.",
-        "FLOPs: learner 6 x (4 x with LoRA: no weight gradients) (body params x positions computed + head params x "
-        "completion tokens), positions "
+        "FLOPs: learner " + ("4 x (LoRA: the frozen weights get no gradient)" if report.get("lora") else "6 x")
+        + " (body params x positions computed + head params x completion tokens), positions "
         "computed = prompt+completion tokens, less a shared prompt's repeats (ours); "
         "sampler 2 x (body params x (prompt tokens x G + generated) + head params x (generated + P x G)); "
         "attention scores not counted.",

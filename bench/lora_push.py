@@ -83,7 +83,7 @@ def child(way: str, args) -> dict:
     from vllm import SamplingParams, TokensPrompt
 
     from fgrpo.learner.lora import save_adapter
-    from fgrpo.rollout.samplers import VLLMSampler, _in_process_vllm
+    from fgrpo.rollout.samplers import VLLMSampler, in_process_vllm
 
     model, settings, folder, prompts = policy_and_prompts(args)
     p, g, t = args.workload
@@ -93,7 +93,7 @@ def child(way: str, args) -> dict:
     else:  # an engine with LoRA slots, as VLLMSampler builds its own otherwise (in this process, 2 GiB KV cache)
         from vllm import LLM
 
-        _in_process_vllm()
+        in_process_vllm()
         llm = LLM(model=str(folder), dtype=args.dtype, max_model_len=512, seed=0, enforce_eager=True,
                   enable_prefix_caching=True, disable_log_stats=True, kv_cache_memory_bytes=2 * 2**30,
                   enable_lora=True, max_lora_rank=lora_slot(args.rank), max_loras=1)

@@ -102,6 +102,7 @@ def test_tiny_run_ours(tiny_run):
         assert (ours[key] is None) == bool(matmul.get("bf16_source")), key
         assert ours[key] is None or ours[key] > 0, key
     assert "## Workload 2x2x8" in table
+    assert "FLOPs: learner 6 x (body params" in table  # a full fine-tune: the weights' own gradients counted
     bf16_rows = {"sampler % of bf16 matmul", "learner % of bf16 matmul"}  # a row of None values is left out
     for label in LABELS:
         if label in bf16_rows and matmul.get("bf16_source"):
@@ -230,6 +231,7 @@ def test_lora_pair_trains_the_same_adapters_in_ours_and_trl(tmp_path, compose):
     assert "LoRA rank 4 (alpha 8)" in workload["ours"]["learner"]
     assert "peft LoRA rank 4 (alpha 8)" in workload["trl"]["learner"]
     assert "both train LoRA adapters of rank 4" in result.stdout
+    assert "FLOPs: learner 4 x (LoRA" in result.stdout
     # TRL's peft_config adapts the same layers at the same rank: as many trained weights as ours
     model = AutoModelForCausalLM.from_pretrained(resolve_model_folder(compose("model=tiny_random").model))
     ours = apply_lora(model, LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules=None))

@@ -72,7 +72,7 @@ def require_vllm() -> None:
         )
 
 
-def _in_process_vllm() -> None:
+def in_process_vllm() -> None:
     """The engine must run in this process to receive the learner's weights: set before vllm is imported."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -82,7 +82,7 @@ def check_vllm_dtype(dtype: str, device: str) -> None:
     with a message naming the key, before any model loads. Refusals for one model type (float16 for Gemma 2,
     say) come when the engine starts; :class:`VLLMSampler` turns those into the same message."""
     require_vllm()
-    _in_process_vllm()
+    in_process_vllm()
     from vllm.platforms import current_platform
 
     supported = [str(d).removeprefix("torch.") for d in current_platform.supported_dtypes]
@@ -107,7 +107,7 @@ class VLLMSampler:
         puts the engine to sleep (vLLM's sleep mode, level 1: weights to CPU memory, KV cache freed) and
         ``update_weights`` wakes it before loading the new weights."""
         require_vllm()
-        _in_process_vllm()
+        in_process_vllm()
         from vllm import LLM
 
         kwargs = dict(
