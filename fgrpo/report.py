@@ -54,7 +54,8 @@ from fgrpo.evaluation.sweep_report import (SIGNIFICANCE_ITERATIONS, build_table,
                                            significance_columns, significance_note)
 from fgrpo.evaluation.sweep_runs import (ReportError, check_same_config, find_missing_jobs, find_runs, largest_final_k,
                                        pass_at_ks)
-from fgrpo.evaluation.confirmatory import analysis_lines, load_plan
+from fgrpo.evaluation.analysis_plan import load_plan
+from fgrpo.evaluation.confirmatory import analysis_lines
 from fgrpo.evaluation.seed_planner import plan_text
 from fgrpo.evaluation.seed_stats import PAIRED_NOTE, paired_tables, variance_table
 
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--problems and --samples must be >= 1, got {args.problems} and {args.samples}")
     if args.significance_iterations < 1:
         parser.error(f"--significance-iterations must be >= 1, got {args.significance_iterations}")
+    if args.confirm is not None and (args.variance or args.plan or args.seeds is not None or args.out is not None):
+        parser.error("--confirm runs the plan file's analysis alone: leave out --variance, --plan, --seeds and --out")
     if args.seeds == []:
         parser.error("--seeds needs seeds, e.g. --seeds 0,1 (or leave it out for every seed)")
     try:

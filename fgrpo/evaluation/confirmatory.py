@@ -12,19 +12,22 @@ Tests on the per-seed differences d_s = a_s - b_s (points), S pairs, t with S - 
 - equivalence (:func:`equivalence_test`): two one-sided tests (TOST) against +-margin; equivalent when both
   p < alpha, i.e. when the (1 - 2 alpha) interval lies within (-margin, +margin);
 - non-inferiority (:func:`non_inferiority_test`): one-sided test that mean(d) > -margin at alpha.
+
+A significant two-sided result opens the next test whichever way it points (the plan's words: "if the one before it
+is significant"); each line says which way (a above or below b). The plan file: :mod:`fgrpo.evaluation.analysis_plan`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 from scipy import stats
 
-from fgrpo.evaluation.seed_stats import (cell_label, check_same_eval_settings, config_cells, final_counts,
-                                         paired_seed_test)
+from fgrpo.evaluation.analysis_plan import Comparison, Plan
+from fgrpo.evaluation.seed_stats import (cell_label, cell_seeds, check_same_eval_settings, config_cells,
+                                         final_counts, paired_seed_test)
 from fgrpo.evaluation.sweep_runs import ReportError, Run
 
 
@@ -44,7 +47,9 @@ def _mean_se(differences: Sequence[float]) -> tuple[np.ndarray, float, float, in
     d = np.asarray(differences, dtype=float)
     if d.ndim != 1 or d.size < 2:
         raise ValueError(f"the test needs a 1-d array of two or more differences, got shape {d.shape}")
-    return d, float(d.mean()), float(d.std(ddof=1) / np.sqrt(d.size)), d.size - 1
+    # no spread beyond float rounding counts as none (the rule of seed_stats.paired_seed_test)
+    flat = np.ptp(d) <= 1e-9 * max(1.0, float(np.abs(d).max()))
+    return d, float(d.mean()), 0.0 if flat else float(d.std(ddof=1) / np.sqrt(d.size)), d.size - 1
 
 
 def _one_sided_p(mean: float, se: float, df: int, null: float, greater: bool) -> float:
@@ -77,73 +82,33 @@ def non_inferiority_test(differences: Sequence[float], margin: float, alpha: flo
     return OneSidedResult(mean, low, float("inf"), p, p < alpha)
 
 
-# ---------------------------------------------------------------- the plan
-
-
-@dataclass(frozen=True)
-class Comparison:
-    a: str  # arm names
-    b: str
-    metric: str  # e.g. pass@16 (the runs' final eval/<metric>, in points)
-    alpha: float
-    non_inferiority_margin: float | None = None  # set: a one-sided non-inferiority test instead of superiority
-
-
-@dataclass(frozen=True)
-class Plan:
-    arms: dict[str, tuple[str, str, float]]  # name -> (algo, advantage method, gamma): the report's cell
-    seeds: tuple[str, ...]
-    primary: Comparison
-    equivalence_margin: float
-    equivalence_alpha: float
-    then: tuple[Comparison, ...]
-    reported: tuple[str, ...]  # metrics shown per arm, untested
-
-
-def load_plan(path: Path) -> Plan:
-    """Read a plan file (module docstring; the committed example: docs/results/arith_confirm/analysis_plan.yaml).
-    Raises ReportError naming the first missing or wrong key."""
-    import yaml
-
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise ReportError(f"--confirm {path}: cannot read the plan ({error})") from None
-    try:
-        arms = {name: (str(a["algo"]), str(a["advantage"]), float(a["gamma"])) for name, a in raw["arms"].items()}
-        comparisons = [raw["primary"], *raw.get("then", [])]
-        parsed = [Comparison(str(c["a"]), str(c["b"]), str(c["metric"]), float(c["alpha"]),
-                             None if c.get("non_inferiority_margin") is None else float(c["non_inferiority_margin"]))
-                  for c in comparisons]
-        plan = Plan(arms, tuple(str(s) for s in raw["seeds"]), parsed[0], float(raw["equivalence"]["margin"]),
-                    float(raw["equivalence"]["alpha"]), tuple(parsed[1:]), tuple(raw.get("reported", [])))
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise ReportError(f"--confirm {path}: the plan lacks or mistypes {error}; it needs arms, seeds, primary, "
-                          "equivalence (margin, alpha) and may have then and reported "
-                          "(see docs/results/arith_confirm/analysis_plan.yaml)") from None
-    unknown = sorted({name for c in (plan.primary, *plan.then) for name in (c.a, c.b)} - set(arms))
-    if unknown:
-        raise ReportError(f"--confirm {path}: the comparisons name arms {', '.join(unknown)} that arms does not define")
-    return plan
-
-
 # ---------------------------------------------------------------- the analysis, from runs
 
 
-def arm_runs(runs: list[Run], plan: Plan) -> dict[str, dict[str, Run]]:
-    """{arm: {seed: run}} of the completed runs; raises ReportError naming every missing run (no interim look)."""
+def arm_runs(runs: list[Run], plan: Plan) -> dict[str, list[Run]]:
+    """{arm: its completed runs in the plan's seed order}. Raises ReportError (one line) when the runs differ in a
+    key other than the arms' own, when an arm has a seed twice, or when any planned run is missing (no interim look).
+    Runs of other cells or seeds are left out."""
     check_same_eval_settings(runs)
-    by_cell: dict = {}
-    for (cell, extra), cell_runs in config_cells(runs).items():
-        if cell in by_cell or extra:
-            raise ReportError(f"the runs of {cell_label((cell, ()))} differ in {', '.join(extra) or 'other keys'}: "
-                              "point --confirm at the confirmatory runs only")
-        by_cell[cell] = cell_runs
+    cells = config_cells(runs)
+    differing = sorted({entry.split("=")[0] for _, extra in cells for entry in extra})
+    if differing:
+        values = "; ".join(f"{key}: " + ", ".join(sorted({e.split("=", 1)[1] for _, extra in cells for e in extra
+                                                          if e.split("=")[0] == key})) for key in differing)
+        raise ReportError(f"the runs differ in more than their arms ({values}): the analysis compares runs that "
+                          "differ only in the arms' cells and the seed; point --confirm at those runs")
     out, missing = {}, []
     for name, cell in plan.arms.items():
-        have = {str(r.config.get("seed")): r for r in by_cell.get(cell, [])}
-        out[name] = {seed: have[seed] for seed in plan.seeds if seed in have}
-        missing += [f"{name} seed {seed}" for seed in plan.seeds if seed not in have]
+        cell_runs = cells.get((cell, ()), [])
+        seeds = cell_seeds(cell_runs)
+        twice = sorted({s for s in seeds if seeds.count(s) > 1})
+        if twice:
+            raise ReportError(f"arm {name} has two finished runs of seed {', '.join(twice)} "
+                              f"({', '.join(str(r.path) for r in cell_runs if str(r.config.get('seed')) in twice)}): "
+                              "keep one")
+        by_seed = dict(zip(seeds, cell_runs))
+        out[name] = [by_seed[seed] for seed in plan.seeds if seed in by_seed]
+        missing += [f"{name} seed {seed}" for seed in plan.seeds if seed not in by_seed]
     if missing:
         done = sum(len(v) for v in out.values())
         raise ReportError(f"no interim look: {done} of {len(plan.seeds) * len(plan.arms)} planned runs have finished; "
@@ -151,79 +116,101 @@ def arm_runs(runs: list[Run], plan: Plan) -> dict[str, dict[str, Run]]:
     return out
 
 
-def _values(arms: dict[str, dict[str, Run]], arm: str, metric: str, seeds: Sequence[str]) -> np.ndarray:
+def arm_values(arms: dict[str, list[Run]], arm: str, metric: str) -> np.ndarray:
+    """[S] each run's final eval/<metric> in points, in the plan's seed order."""
     try:
-        return np.array([100 * arms[arm][s].final[f"eval/{metric}"] for s in seeds])
+        return np.array([100 * run.final[f"eval/{metric}"] for run in arms[arm]])
     except KeyError:
         raise ReportError(f"the plan's metric {metric}: a run of {arm} logged no eval/{metric}") from None
 
 
-def _superiority_line(step: str, c: Comparison, d_a: np.ndarray, d_b: np.ndarray) -> tuple[str, bool]:
-    test = paired_seed_test(d_a, d_b, confidence=1 - c.alpha)
+def _superiority_line(step: str, c: Comparison, values_a: np.ndarray, values_b: np.ndarray) -> tuple[str, bool]:
+    test = paired_seed_test(values_a, values_b, confidence=1 - c.alpha)
     significant = test.t_p < c.alpha
+    side = f"{c.a} above {c.b}" if test.mean > 0 else f"{c.a} below {c.b}"
     return (f"{step}: {c.a} − {c.b}, {c.metric}: mean {test.mean:+.2f} points, {100 * (1 - c.alpha):g}% interval "
             f"[{test.ci_low:+.2f}, {test.ci_high:+.2f}], paired t p = {test.t_p:.4f} (alpha {c.alpha:g}: "
-            f"{'significant' if significant else 'not significant'}); sign-flip p = {test.sign_flip_p:.4f}",
-            significant)
+            + (f"significant, {side}" if significant else "not significant")
+            + f"); sign-flip p = {test.sign_flip_p:.4f}", significant)
+
+
+def _equivalence_line(plan: Plan, differences: np.ndarray) -> str:
+    eq = equivalence_test(differences, plan.equivalence_margin, plan.equivalence_alpha)
+    return (f"Equivalence (TOST at {plan.equivalence_alpha:g}, margin ±{plan.equivalence_margin:g}): "
+            f"{100 * (1 - 2 * plan.equivalence_alpha):g}% interval [{eq.ci_low:+.2f}, {eq.ci_high:+.2f}], "
+            f"p = {eq.p:.4f}: " + ("equivalent: a null result" if eq.passed else "not equivalent either: inconclusive"))
+
+
+def _non_inferiority_line(step: str, c: Comparison, differences: np.ndarray) -> tuple[str, bool]:
+    ni = non_inferiority_test(differences, c.non_inferiority_margin, c.alpha)
+    return (f"{step}: {c.a} − {c.b}, {c.metric}, non-inferiority within {c.non_inferiority_margin:g} points: "
+            f"mean {ni.mean:+.2f}, one-sided {100 * (1 - c.alpha):g}% lower bound {ni.ci_low:+.2f}, p = {ni.p:.4f} "
+            f"(alpha {c.alpha:g}: {'non-inferior' if ni.passed else 'not shown'})", ni.passed)
 
 
 def analysis_lines(runs: list[Run], plan: Plan) -> list[str]:
-    """The pre-registered tests in their order (module docstring), then the per-arm reported metrics."""
+    """The pre-registered tests in their order (module docstring), then the per-arm reported values."""
     arms = arm_runs(runs, plan)
-    seeds = list(plan.seeds)
-    lines = [f"Confirmatory analysis: {len(seeds)} seeds ({', '.join(seeds)}) x {len(arms)} arms: "
-             + "; ".join(f"{name} = {cell_label((cell, ()))}" for name, cell in plan.arms.items())]
-    p = plan.primary
-    line, significant = _superiority_line("Primary", p, _values(arms, p.a, p.metric, seeds),
-                                          _values(arms, p.b, p.metric, seeds))
+    lines = [f"Confirmatory analysis: {len(plan.seeds)} seeds ({', '.join(plan.seeds)}) x {len(arms)} arms: "
+             + "; ".join(f"{name} = {cell_label((cell, ()))}" for name, cell in plan.arms.items()),
+             *_cpu_lines(arms)]
+    primary = plan.primary
+    a, b = arm_values(arms, primary.a, primary.metric), arm_values(arms, primary.b, primary.metric)
+    line, passed = _superiority_line("Primary", primary, a, b)
     lines.append(line)
-    if not significant:
-        d = _values(arms, p.a, p.metric, seeds) - _values(arms, p.b, p.metric, seeds)
-        eq = equivalence_test(d, plan.equivalence_margin, plan.equivalence_alpha)
-        verdict = ("equivalent: a null result" if eq.passed else "not equivalent either: inconclusive")
-        lines.append(f"Equivalence (TOST at {plan.equivalence_alpha:g}, margin ±{plan.equivalence_margin:g}): "
-                     f"{100 * (1 - 2 * plan.equivalence_alpha):g}% interval [{eq.ci_low:+.2f}, {eq.ci_high:+.2f}], "
-                     f"p = {eq.p:.4f}: {verdict}")
+    if not passed:
+        lines.append(_equivalence_line(plan, a - b))
     for i, c in enumerate(plan.then, start=1):
-        if not significant:
-            lines.append(f"Then {i}: {c.a} − {c.b}, {c.metric}: not tested (the test before it was not significant)")
+        if not passed:
+            lines.append(f"Then {i}: {c.a} − {c.b}, {c.metric}: not tested (the test before it did not pass)")
             continue
-        a, b = _values(arms, c.a, c.metric, seeds), _values(arms, c.b, c.metric, seeds)
-        if c.non_inferiority_margin is None:
-            line, significant = _superiority_line(f"Then {i}", c, a, b)
-        else:
-            ni = non_inferiority_test(a - b, c.non_inferiority_margin, c.alpha)
-            significant = ni.passed
-            line = (f"Then {i}: {c.a} − {c.b}, {c.metric}, non-inferiority within {c.non_inferiority_margin:g} points: "
-                    f"mean {ni.mean:+.2f}, one-sided {100 * (1 - c.alpha):g}% lower bound {ni.ci_low:+.2f}, "
-                    f"p = {ni.p:.4f} (alpha {c.alpha:g}: {'non-inferior' if ni.passed else 'not shown'})")
+        a, b = arm_values(arms, c.a, c.metric), arm_values(arms, c.b, c.metric)
+        line, passed = (_superiority_line(f"Then {i}", c, a, b) if c.non_inferiority_margin is None
+                        else _non_inferiority_line(f"Then {i}", c, a - b))
         lines.append(line)
     lines += ["", "Reported, not tested (mean over seeds [95% t interval]):", *_reported_lines(arms, plan)]
     return lines
 
 
+def _cpu_lines(arms: dict[str, list[Run]]) -> list[str]:
+    """Which CPU ran which seeds, from the cpu_kind.txt that scripts/arith_confirm.sh writes beside each run."""
+    kinds: dict[str, set[str]] = {}
+    for run in (run for runs in arms.values() for run in runs):
+        path = run.path / "cpu_kind.txt"
+        kind = path.read_text().strip() if path.exists() else "not recorded"
+        kinds.setdefault(kind, set()).add(str(run.config.get("seed")))
+    return [f"CPU {kind}: seeds {', '.join(sorted(seeds, key=lambda s: s.zfill(12)))}" for kind, seeds in kinds.items()]
+
+
 def _interval(values: Sequence[float]) -> str:
     v = np.asarray(values, dtype=float)
-    half = float(stats.t.ppf(0.975, v.size - 1) * v.std(ddof=1) / np.sqrt(v.size)) if v.size > 1 else float("nan")
-    return f"{v.mean():.2f} [{v.mean() - half:.2f}, {v.mean() + half:.2f}]"
+    low, high = stats.t.interval(0.95, v.size - 1, loc=v.mean(), scale=stats.sem(v)) if np.ptp(v) > 0 else (v[0], v[0])
+    return f"{v.mean():.2f} [{low:.2f}, {high:.2f}]"
 
 
-def _reported_lines(arms: dict[str, dict[str, Run]], plan: Plan) -> list[str]:
+def _reported_lines(arms: dict[str, list[Run]], plan: Plan) -> list[str]:
     lines = []
-    for name, by_seed in arms.items():
-        runs = [by_seed[s] for s in plan.seeds]
+    for name, runs in arms.items():
         parts = []
         for metric in plan.reported:
             key = f"eval/{metric}"
-            if all(key in r.final for r in runs):
-                scale = 100 if metric.startswith("pass@") else 1
-                parts.append(f"{metric} {_interval([scale * r.final[key] for r in runs])}")
+            lacking = sum(key not in r.final for r in runs)
+            scale = 100 if metric.startswith("pass@") else 1
+            parts.append(f"{metric} {_interval([scale * r.final[key] for r in runs])}" if not lacking
+                         else f"{metric}: not logged by {lacking} runs")
         counts = [final_counts(r) for r in runs]
         if all(c is not None for c in counts):
-            parts.append(f"always solved {_interval([np.sum(c[2] == c[1]) for c in counts])}")
-            parts.append(f"never solved {_interval([np.sum(c[2] == 0) for c in counts])}")
+            problems = len(counts[0][0])
+            parts.append(f"held-out problems always solved, % of {problems} "
+                         f"{_interval([100 * np.mean(c[2] == c[1]) for c in counts])}")
+            parts.append(f"never solved % {_interval([100 * np.mean(c[2] == 0) for c in counts])}")
+        else:
+            parts.append(f"always / never solved: no eval_counts.jsonl in {sum(c is None for c in counts)} runs")
         for key in ("train/adv_norm", "train/grad_norm"):
             if all(r.steps and all(key in row for row in r.steps) for r in runs):
-                parts.append(f"mean {key} {_interval([np.mean([row[key] for row in r.steps]) for r in runs])}")
+                parts.append(f"{key}, each run's mean over its steps "
+                             f"{_interval([np.mean([row[key] for row in r.steps]) for r in runs])}")
+            else:
+                parts.append(f"{key}: not logged at every step of every run")
         lines.append(f"- {name}: " + "; ".join(parts))
     return lines
