@@ -2,7 +2,8 @@
 # One seed of the pre-registered confirmatory run (docs/results.md, "Pre-registration"): its three arms one after
 # another, in the order rotated per seed, each from the pre-registration's own commit of fgrpo/ and conf/ (a git
 # worktree of that commit), each run's small files copied to docs/results/arith_confirm/runs/<arm>_seed<SEED>/ for
-# committing. A run cut short starts again from the beginning (its directory is replaced): no resume.
+# committing. A run cut short starts again from the beginning (its directory is replaced): no resume. An arm whose
+# files are already there is skipped, so a seed stopped between arms goes on with the next one.
 #
 #   bash scripts/arith_confirm.sh 3          # seed 3: GRPO, F-GRPO, the step-size control
 #   bash scripts/arith_confirm.sh 4          # seed 4: F-GRPO, the control, GRPO
@@ -24,11 +25,14 @@ for i in 0 1 2; do
     arm=${arms[$(( (seed - 3 + i) % 3 ))]}
     name=${arm%% *}; override=${arm#* }
     run=$repo/outputs/arith_confirm/${name}_seed$seed
+    keep=$repo/docs/results/arith_confirm/runs/${name}_seed$seed
+    if [[ -f $keep/summary.json ]]; then  # copied only after a run ends: this arm is done
+        echo "seed $seed, $name: finished before ($keep), skipped" >&2; continue
+    fi
     rm -rf "$run"
     echo "seed $seed, $name ($override), from ${prereg:0:12}: $run" >&2
     (cd "$tree" && "$python" run.py experiment=arith_confirm "$override" "seed=$seed" \
         "eval.rare_set=$repo/docs/results/arith_confirm/rare_set" "hydra.run.dir=$run")
-    keep=$repo/docs/results/arith_confirm/runs/${name}_seed$seed
     rm -rf "$keep" && mkdir -p "$keep"
     cp -r "$run/.hydra" "$run/metrics.jsonl" "$run/eval_counts.jsonl" "$run/summary.json" "$keep/"
     # the CPU kind that ran it (the arms of a seed run on one kind; docs/results.md names it per run)
