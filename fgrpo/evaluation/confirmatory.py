@@ -27,7 +27,7 @@ from scipy import stats
 
 from fgrpo.evaluation.analysis_plan import Comparison, Plan
 from fgrpo.evaluation.seed_stats import (cell_label, cell_seeds, check_same_eval_settings, config_cells,
-                                         final_counts, paired_seed_test)
+                                         final_counts, paired_seed_test, without_spread)
 from fgrpo.evaluation.sweep_runs import ReportError, Run
 
 
@@ -47,9 +47,7 @@ def _mean_se(differences: Sequence[float]) -> tuple[np.ndarray, float, float, in
     d = np.asarray(differences, dtype=float)
     if d.ndim != 1 or d.size < 2:
         raise ValueError(f"the test needs a 1-d array of two or more differences, got shape {d.shape}")
-    # no spread beyond float rounding counts as none (the rule of seed_stats.paired_seed_test)
-    flat = np.ptp(d) <= 1e-9 * max(1.0, float(np.abs(d).max()))
-    return d, float(d.mean()), 0.0 if flat else float(d.std(ddof=1) / np.sqrt(d.size)), d.size - 1
+    return d, float(d.mean()), 0.0 if without_spread(d) else float(d.std(ddof=1) / np.sqrt(d.size)), d.size - 1
 
 
 def _one_sided_p(mean: float, se: float, df: int, null: float, greater: bool) -> float:

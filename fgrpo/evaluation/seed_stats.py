@@ -73,6 +73,12 @@ def sign_flip_p(differences: Sequence[float], *, exact_up_to: int = EXACT_SIGN_F
     return float(result.pvalue)
 
 
+def without_spread(differences: np.ndarray) -> bool:
+    """No spread beyond float rounding (0.7 - 0.4 != 0.5 - 0.2): there a t-test is undefined (scipy would warn and
+    return nan or a p near 0). ``differences``: [S]."""
+    return bool(np.ptp(differences) <= 1e-9 * max(1.0, float(np.abs(differences).max())))
+
+
 def paired_seed_test(values_a: Sequence[float], values_b: Sequence[float], *, confidence: float = 0.95,
                      exact_up_to: int = EXACT_SIGN_FLIPS, seed: int = 0) -> PairedSeedTest:
     """The paired test of A - B over seeds. ``values_a``, ``values_b``: [S] each, S >= 2, entry s of both from the
@@ -84,8 +90,7 @@ def paired_seed_test(values_a: Sequence[float], values_b: Sequence[float], *, co
         raise ValueError(f"paired_seed_test needs two 1-d arrays of the same length >= 2, got {a.shape}, {b.shape}")
     differences = a - b
     mean = float(differences.mean())
-    # no spread beyond float rounding (0.7 - 0.4 != 0.5 - 0.2): scipy would warn and return nan or a p near 0
-    if np.ptp(differences) <= 1e-9 * max(1.0, float(np.abs(differences).max())):
+    if without_spread(differences):
         low = high = mean
         t_p = 1.0 if abs(mean) <= 1e-9 else 0.0
     else:
