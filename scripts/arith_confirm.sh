@@ -26,7 +26,7 @@ for i in 0 1 2; do
     name=${arm%% *}; override=${arm#* }
     run=$repo/outputs/arith_confirm/${name}_seed$seed
     keep=$repo/docs/results/arith_confirm/runs/${name}_seed$seed
-    if [[ -f $keep/summary.json ]]; then  # copied only after a run ends: this arm is done
+    if [[ -f $keep/cpu_kind.txt ]]; then  # the last file written after a run ends: this arm is done
         echo "seed $seed, $name: finished before ($keep), skipped" >&2; continue
     fi
     rm -rf "$run"
