@@ -20,6 +20,17 @@ prereg=$(git -C "$repo" log --diff-filter=A --format=%H -- conf/experiment/arith
     echo "no docs/results/arith_confirm/rare_set: build it once, before the first run (docs/results.md)" >&2; exit 2; }
 tree=${ARITH_CONFIRM_TREE:-$repo/outputs/arith_confirm/tree-${prereg:0:12}}
 [[ -d $tree ]] || git -C "$repo" worktree add --detach "$tree" "$prereg"
+# the CPU kind that runs this seed: the pre-registration runs a seed's three arms on one kind
+kind=$(grep -o 'avx512_bf16\|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ' || true)
+cpu="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs): ${kind:-AVX2 only}"
+for done_file in "$repo"/docs/results/arith_confirm/runs/*_seed"$seed"/cpu_kind.txt; do
+    [[ -f $done_file ]] || continue
+    if [[ $(cut -d: -f2- "$done_file" | xargs) != $(echo "${cpu#*:}" | xargs) ]]; then
+        echo "seed $seed: $(basename "$(dirname "$done_file")") ran on '$(cat "$done_file")', this machine is '$cpu';" \
+            "the pre-registration runs a seed's three arms on one CPU kind: run this seed on that kind, or another seed here" >&2
+        exit 3
+    fi
+done
 arms=("grpo focal.gamma=0" "fgrpo focal.gamma=1" "control advantage=mean_focal")
 for i in 0 1 2; do
     arm=${arms[$(( (seed - 3 + i) % 3 ))]}
@@ -35,7 +46,5 @@ for i in 0 1 2; do
         "eval.rare_set=$repo/docs/results/arith_confirm/rare_set" "hydra.run.dir=$run")
     rm -rf "$keep" && mkdir -p "$keep"
     cp -r "$run/.hydra" "$run/metrics.jsonl" "$run/eval_counts.jsonl" "$run/summary.json" "$keep/"
-    # the CPU kind that ran it (the arms of a seed run on one kind; docs/results.md names it per run)
-    kind=$(grep -o 'avx512_bf16\|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ' || true)
-    echo "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs): ${kind:-AVX2 only}" > "$keep/cpu_kind.txt"
+    echo "$cpu" > "$keep/cpu_kind.txt"  # the CPU kind that ran it (docs/results.md names it per run)
 done
