@@ -368,13 +368,14 @@ def test_a_batch_whose_pool_stops_answering_goes_to_a_new_pool(monkeypatch, capl
             return future
 
         monkeypatch.setattr(stuck_pool, "schedule", taken_never_finished)
+        usual_start_up_limit_s = verifier.STARTUP_LIMIT_S
         monkeypatch.setattr(verifier, "STARTUP_LIMIT_S", 1.0)  # the stuck pool's deadline: 1 s + two rounds
         stop_stuck_pool = pool._stop
 
         def stop_then_usual_start_up_limit():
             # the new pool's workers start at the machine's pace (over 1 s on a loaded 2-core AVX2 EPYC)
             stop_stuck_pool()
-            monkeypatch.setattr(verifier, "STARTUP_LIMIT_S", 120.0)
+            monkeypatch.setattr(verifier, "STARTUP_LIMIT_S", usual_start_up_limit_s)
 
         monkeypatch.setattr(pool, "_stop", stop_then_usual_start_up_limit)
         started = time.monotonic()
