@@ -21,7 +21,7 @@ from fgrpo.infra.run_files import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["trainer.prompts_per_step=2", "algo.group_size=4", "eval.n_samples=8", "eval.max_problems=8",
-         "sampler.max_new_tokens=8", "logger=none"]
+         "sampler.max_new_tokens=8", "logger=none", "hardware.compile_learner=false"]  # compiling: test_run.py
 
 
 def cli(module_or_script: str, run_dir: Path, *overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -30,6 +30,9 @@ RUN = ["model=tiny_random", "sampler=hf", "logger=wandb", "trainer.steps=6", "tr
        "trainer.checkpoint_every=2", "trainer.save_final=true",
        # a random model earns no reward: the entropy bonus gives every step a gradient
        "algo.entropy_coef=0.01", "trainer.lr=1e-3"]
+# the compiled learner (the CPU default) costs each run about 40 s of compiling on a 2-core CPU: the default run and
+# its killed twins keep it (a resumed run compiles again, for the shapes it meets first); the others learn eager
+EAGER = "hardware.compile_learner=false"
 # keys that may differ between a run and its resumed twin: wall-clock times and what is measured from them
 VARYING = ("time", "perf/")
 
@@ -155,7 +158,7 @@ def test_a_deterministic_run_killed_and_resumed_ends_bitwise_as_the_default_one_
     assert_same_weights(final_weights(run_dir), final_weights(uninterrupted))
 
 
-LORA = ("model.lora.rank=4", "trainer.lr=1e-2")
+LORA = ("model.lora.rank=4", "trainer.lr=1e-2", EAGER)
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +245,7 @@ def test_a_lora_checkpoint_exports_as_an_adapter_or_merged_and_evaluate_takes_ei
 
 
 def test_two_ranks_resume_bitwise_and_their_checkpoint_loads_in_one_process(tmp_path):
-    two = ["hardware.compile_learner=false", "hardware.sampler_kv_cache_gib=0.125"]  # compiling under FSDP: minutes
+    two = [EAGER, "hardware.sampler_kv_cache_gib=0.125"]  # compiling under FSDP: minutes
     reference = tmp_path / "uninterrupted"
     done = run(reference, *two, ranks=2)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -302,7 +305,7 @@ def test_resume_false_starts_over_keeps_the_previous_runs_files_aside_and_time_m
     shutil.copytree(uninterrupted, run_dir)
     # and checkpoints by time: every 6 ms, so after each step
     done = run(run_dir, "trainer.resume=false", "trainer.steps=2", "trainer.checkpoint_every=0",
-               "trainer.checkpoint_every_min=0.0001")
+               "trainer.checkpoint_every_min=0.0001", EAGER)
     assert done.returncode == 0, done.stderr[-3000:]
     (aside,) = run_dir.glob("replaced-*")
     assert read_metrics(aside / "metrics.jsonl") == read_metrics(uninterrupted / "metrics.jsonl")
@@ -340,7 +343,7 @@ def test_sigusr2_to_one_rank_stops_both_at_the_same_step(tmp_path):
     run_dir = tmp_path / "run"
     log = open(tmp_path / "stderr.txt", "w")
     process = subprocess.Popen(command(run_dir, "trainer.checkpoint_every=0", "trainer.steps=40",
-                                       "hardware.compile_learner=false", "hardware.sampler_kv_cache_gib=0.125",
+                                       EAGER, "hardware.sampler_kv_cache_gib=0.125",
                                        ranks=2), cwd=REPO, env=environment(2), stdout=subprocess.DEVNULL, stderr=log)
     metrics, deadline = run_dir / "metrics.jsonl", time.time() + TIMEOUT_S
     while process.poll() is None and time.time() < deadline:
@@ -371,7 +374,7 @@ def _environ(pid: int) -> bytes:
 
 @pytest.mark.slow
 def test_the_vllm_sampler_resumes_its_step_data_cursor_and_optimizer(tmp_path):
-    vllm = ["sampler=vllm", "trainer.steps=4", "hardware.sampler_kv_cache_gib=0.125"]
+    vllm = ["sampler=vllm", "trainer.steps=4", "hardware.sampler_kv_cache_gib=0.125", EAGER]
     run_dir = tmp_path / "run"
     kill_during_step(run_dir, 4, *vllm)
     done = run(run_dir, *vllm)
@@ -401,7 +404,8 @@ def test_a_slurm_job_sent_usr2_saves_is_requeued_and_ends_as_an_uninterrupted_on
     resumes in the same directory and ends with the weights of the job that ran through."""
     sweep_dir = tmp_path / "sweep"
     overrides = [*SLURM, *[o for o in RUN if not o.startswith(("trainer.checkpoint_every", "trainer.steps"))],
-                 "trainer.steps=8", "trainer.checkpoint_every=0", "seed=0,0", "hydra.sweep.subdir=${hydra.job.num}"]
+                 "trainer.steps=8", "trainer.checkpoint_every=0", "seed=0,0", "hydra.sweep.subdir=${hydra.job.num}",
+                 EAGER]
     process = subprocess.Popen([sys.executable, str(REPO / "run.py"), "-m", f"hydra.sweep.dir={sweep_dir}", *overrides],
                                cwd=REPO, env={**LAUNCH_ENV, "WANDB_MODE": "offline"}, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)

@@ -21,6 +21,9 @@ TINY = [
     "model=tiny_random", "trainer.steps=2", "trainer.prompts_per_step=2", "algo.group_size=4",
     "eval.n_samples=4", "eval.max_problems=4", "eval.every=1", "sampler.max_new_tokens=8",
 ]
+# the compiled learner, the CPU default, costs a run about 40 s of compiling on a 2-core CPU: the runs here that are
+# not about it take the eager one (the compiled one: the hf run below, the default run and tests/test_resume.py)
+EAGER = "hardware.compile_learner=false"
 TINY_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=1024)  # conf/model/tiny_random.yaml
 STEP_KEYS = [
@@ -59,7 +62,7 @@ def test_two_steps_on_tiny_random_change_all_parameters(tmp_path, sampler):
     # (weight decay off) makes every parameter's gradient non-zero through the same learner path
     result = run_cli(tmp_path, *TINY, f"sampler={sampler}", "algo=cispo", "focal.gamma=1.0", "trainer.lr=1e-3",
                      "trainer.warmup_steps=0", "trainer.weight_decay=0", "algo.entropy_coef=0.01",
-                     "trainer.save_final=true", "logger=none")
+                     "trainer.save_final=true", "logger=none", *([EAGER] if sampler == "vllm" else []))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path / "metrics.jsonl")
     steps = [r for r in rows if "train/loss" in r]
@@ -86,7 +89,7 @@ def test_a_lora_run_trains_adapters_and_saves_the_merged_model(tmp_path, sampler
     the merged weights, and the final model is a plain HF folder whose projections moved and nothing else."""
     result = run_cli(tmp_path, *TINY, f"sampler={sampler}", "model.lora.rank=4", "trainer.lr=1e-2",
                      "trainer.warmup_steps=0", "trainer.weight_decay=0", "algo.entropy_coef=0.01",
-                     "trainer.save_final=true", "logger=none")
+                     "trainer.save_final=true", "logger=none", EAGER)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LoRA rank 4 on every linear layer" in (tmp_path / "run.log").read_text()
     before, after = initial_tiny_state(), load_state(tmp_path / "final_model")
@@ -96,7 +99,7 @@ def test_a_lora_run_trains_adapters_and_saves_the_merged_model(tmp_path, sampler
 
 
 def test_eval_before_false_skips_only_the_evaluation_of_the_starting_weights(tmp_path):
-    result = run_cli(tmp_path, *TINY, "sampler=hf", "logger=none", "eval.before=false")
+    result = run_cli(tmp_path, *TINY, "sampler=hf", "logger=none", "eval.before=false", EAGER)
     assert result.returncode == 0, result.stderr[-3000:]
     evals = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "eval/pass@1" in r]
     assert evals == [1, 2]
@@ -264,7 +267,7 @@ def test_a_sampler_dtype_vllm_refuses_names_the_key(tmp_path):
 
 def test_interrupted_run_keeps_its_directory_and_metrics(tmp_path):
     command = [sys.executable, str(REPO / "run.py"), f"hydra.run.dir={tmp_path}", *TINY, "sampler=hf",
-               "trainer.steps=200", "logger=wandb"]
+               "trainer.steps=200", "logger=wandb", EAGER]
     # stderr to a file: a pipe nobody reads fills up with the progress bar and blocks the run
     stderr = open(tmp_path / "stderr.txt", "w")
     process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "WANDB_MODE": "offline"},
@@ -299,7 +302,7 @@ def test_dapo_options_run_and_skip_steps_without_mixed_groups(tmp_path):
     # with a warning rather than training on zero advantages
     result = run_cli(tmp_path, *TINY, "sampler=hf", "algo=dapo", "algo.dynamic_sampling=true",
                      "algo.max_sampling_rounds=2", "algo.overlong_shaping=true", "algo.overlong_buffer=4",
-                     "logger=none")
+                     "logger=none", EAGER)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dynamic sampling found no mixed group" in (tmp_path / "run.log").read_text()
     rows = read_metrics(tmp_path / "metrics.jsonl")

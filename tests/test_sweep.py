@@ -22,6 +22,9 @@ TIMEOUT = 600  # a hung sweep fails the test instead of hanging CI
 TINY = [
     "model=tiny_random", "sampler=hf", "logger=wandb", "trainer.steps=2", "trainer.prompts_per_step=2",
     "algo.group_size=2", "eval.n_samples=2", "eval.max_problems=2", "sampler.max_new_tokens=4",
+    # the compiled learner (about 40 s of compiling a run on a 2-core CPU) is the subject of
+    # tests/learner/test_compiled_layers.py and of the default runs in test_run.py and test_resume.py
+    "hardware.compile_learner=false",
 ]
 GRID = ["algo=grpo,cispo", "focal.gamma=0,1"]
 SLURM = ["hydra/launcher=slurm", "hydra.launcher.partition=debug"]
