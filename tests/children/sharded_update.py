@@ -1,7 +1,10 @@
-"""One learner step on fixed rollouts, in however many processes launched it: ``python tests/children/sharded_update.py CASE
-OUT`` (one process, no process group) or ``torchrun --nproc_per_node 2 tests/children/sharded_update.py CASE OUT`` (the
-policy sharded with FSDP2 over gloo), or ``python tests/children/sharded_update.py CASE OUT fsdp`` (sharded in one process). Rank 0 saves the step's metrics and the updated full parameters to OUT;
-tests/learner/test_sharded.py compares one process's file with two's.
+"""One learner step on fixed rollouts per case, in however many processes launched it: ``python
+tests/children/sharded_update.py CASES OUT_DIR`` (one process, no process group), ``torchrun --nproc_per_node 2
+tests/children/sharded_update.py CASES OUT_DIR`` (the policy sharded with FSDP2 over gloo), or ``python
+tests/children/sharded_update.py CASES OUT_DIR fsdp`` (sharded in one process). CASES is a comma-separated list: the
+cases run one after another in one launch (each launch costs about 10 s of start-up). Rank 0 saves each case's
+metrics and updated full parameters to OUT_DIR/CASE.pt; tests/learner/test_sharded.py compares one process's files
+with two's.
 
 The batch is 4 prompts x 4 samples. With 2 ranks, rank 0 learns on 3 groups and rank 1 on 1: uneven shares, so
 rank 0 runs more micro-batches than rank 1, which must pad with fillers or the job hangs (a 60 s process-group
@@ -107,10 +110,9 @@ def count_gradient_reductions() -> list[int]:
     return count
 
 
-def main(case_name: str, out: Path, fsdp_alone: bool = False) -> None:
+def one_case(case_name: str, out: Path, ranks, reductions: list[int], fsdp_alone: bool) -> None:
     """``fsdp_alone``: one process, sharded over a process group of one (hardware.fsdp=true)."""
     case = CASES[case_name]
-    ranks = distributed.init_from_env(timeout_s=60, single_process_group=fsdp_alone)
     model = build_model(case["dtype"], case.get("attention", "sdpa"))
     if case["checkpointing"]:
         model.gradient_checkpointing_enable()
@@ -119,7 +121,7 @@ def main(case_name: str, out: Path, fsdp_alone: bool = False) -> None:
         add_adapters(model)
     if ranks.world > 1 or fsdp_alone:
         shard_policy(model, device="cpu", autocast_dtype=str(autocast).removeprefix("torch.") if autocast else None)
-    reductions = count_gradient_reductions()
+    reductions[0] = 0
     seqs = grouped_seqs(PROMPTS, SAMPLES, seed=5)
     if ranks.world == 2:  # groups 0-2 on rank 0, group 3 on rank 1
         seqs = seqs[: 3 * SAMPLES] if ranks.rank == 0 else seqs[3 * SAMPLES:]
@@ -142,8 +144,17 @@ def main(case_name: str, out: Path, fsdp_alone: bool = False) -> None:
         torch.save({"metrics": metrics, "params": params, "grads": grads, "world": ranks.world, "merged": merged,
                     "reductions": reductions[0], "micro_batches": -(-len(seqs) // case["layout"]["micro_batch_size"])},
                    out)
+
+
+def main(case_names: list[str], out_dir: Path, fsdp_alone: bool = False) -> None:
+    unknown = [name for name in case_names if name not in CASES]
+    assert not unknown, f"unknown cases {unknown}; the cases: {list(CASES)}"
+    ranks = distributed.init_from_env(timeout_s=60, single_process_group=fsdp_alone)
+    reductions = count_gradient_reductions()
+    for name in case_names:
+        one_case(name, out_dir / f"{name}.pt", ranks, reductions, fsdp_alone)
     distributed.close()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), fsdp_alone=sys.argv[3:] == ["fsdp"])
+    main(sys.argv[1].split(","), Path(sys.argv[2]), fsdp_alone=sys.argv[3:] == ["fsdp"])

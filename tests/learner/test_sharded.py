@@ -28,25 +28,43 @@ def torchrun(nproc: int, script: Path, *args: str, env: dict | None = None, cwd:
     return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=full_env, cwd=cwd)
 
 
-def one_step(case: str, nproc: int, tmp_path: Path, *, fsdp_alone: bool = False) -> dict:
-    out = tmp_path / f"{case}-{nproc}{'-fsdp' if fsdp_alone else ''}.pt"
-    if nproc == 1:
-        done = subprocess.run([sys.executable, str(CHILDREN / "sharded_update.py"), case, str(out)]
-                              + (["fsdp"] if fsdp_alone else []), capture_output=True,
-                              text=True, timeout=TIMEOUT_S, env={**LAUNCH_ENV, "OMP_NUM_THREADS": "1"})
-    else:
-        done = torchrun(nproc, CHILDREN / "sharded_update.py", case, str(out))
+def launch(layout: str, cases: list[str], out_dir: Path) -> subprocess.CompletedProcess:
+    """tests/children/sharded_update.py over ``cases`` in one launch: ``one process``, ``2 ranks`` (torchrun) or
+    ``fsdp alone`` (one process sharded over a group of one)."""
+    args = [",".join(cases), str(out_dir)]
+    if layout == "2 ranks":
+        return torchrun(2, CHILDREN / "sharded_update.py", *args)
+    return subprocess.run([sys.executable, str(CHILDREN / "sharded_update.py"), *args]
+                          + (["fsdp"] if layout == "fsdp alone" else []), capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env={**LAUNCH_ENV, "OMP_NUM_THREADS": "1"})
+
+
+FSDP_ALONE = ["fp64-clip-checkpointing"]
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory) -> dict:
+    """Every case's step in each layout: three launches for the module instead of two per case (each launch costs
+    about 10 s of start-up on 2 cores); a launch that fails fails the tests that read it, with its stderr."""
+    done = {}
+    for layout, cases in [("one process", list(CASES)), ("2 ranks", list(CASES)), ("fsdp alone", FSDP_ALONE)]:
+        out_dir = tmp_path_factory.mktemp(layout.replace(" ", "_"))
+        done[layout] = (launch(layout, cases, out_dir), out_dir)
+    return done
+
+
+def one_step(steps: dict, case: str, layout: str) -> dict:
+    done, out_dir = steps[layout]
     assert done.returncode == 0, done.stderr[-3000:]
-    result = torch.load(out)
-    assert result["world"] == nproc
+    result = torch.load(out_dir / f"{case}.pt")
+    assert result["world"] == (2 if layout == "2 ranks" else 1)
     return result
 
 
-@pytest.mark.parametrize("case,layout", [(case, "2 ranks") for case in CASES] + [("fp64-clip-checkpointing", "fsdp alone")])
-def test_two_ranks_step_as_one_process(case, layout, tmp_path):
+@pytest.mark.parametrize("case,layout", [(case, "2 ranks") for case in CASES] + [(case, "fsdp alone") for case in FSDP_ALONE])
+def test_two_ranks_step_as_one_process(case, layout, steps):
     """``fsdp alone``: one process sharded over a group of one (hardware.fsdp=true, e.g. CPU offload on one GPU)."""
-    one = one_step(case, 1, tmp_path)
-    two = one_step(case, 2, tmp_path) if layout == "2 ranks" else one_step(case, 1, tmp_path, fsdp_alone=True)
+    one, two = one_step(steps, case, "one process"), one_step(steps, case, layout)
     exact = CASES[case]["dtype"] == torch.float64
     # fp64: the same sums in another order (7e-16 seen); fp32: a different reduction order, relative 1e-5; bf16: two
     # ranks under FSDP2's bf16 policy against one process under autocast (the case's own bounds)
@@ -82,10 +100,10 @@ def test_two_ranks_step_as_one_process(case, layout, tmp_path):
             torch.testing.assert_close(two["params"][name], param, rtol=1e-12, atol=1e-12, msg=name)
 
 
-def test_gradients_reduced_once_per_step_equal_those_reduced_each_micro_batch(tmp_path):
+def test_gradients_reduced_once_per_step_equal_those_reduced_each_micro_batch(steps):
     """hardware.sync_grads_once: FSDP2 reduce-scatters once per parameter group and step (3 layers and the root: 4)
     instead of once per micro-batch (4 on each rank here: 16), and the step's gradients are the same."""
-    once, each = one_step("fp32-sync-once", 2, tmp_path), one_step("fp32-sync-each", 2, tmp_path)
+    once, each = one_step(steps, "fp32-sync-once", "2 ranks"), one_step(steps, "fp32-sync-each", "2 ranks")
     groups = 4
     assert once["reductions"] == groups and each["reductions"] == groups * each["micro_batches"] == 16
     for name, grad in each["grads"].items():
