@@ -47,9 +47,13 @@ def compile_decoder_layers(model, *, grad_only: bool = False, selective_checkpoi
         return 0
     # sizes that happen to be equal on the first compile (a segment bucket's count and its length, say) would
     # otherwise be guarded equal, and each new coincidence recompiles (about 20 s; after 8, torch runs eager)
+    import torch._dynamo.config as dynamo_config
     import torch.fx.experimental._config as fx_config
 
     fx_config.use_duck_shape = False
+    # the layers' float attributes (RMSNorm eps, attention scaling, dropout) are the same in every layer and step;
+    # traced as symbols, they fail to become tensors and dynamo traces each layer again (about half its compile)
+    dynamo_config.specialize_float = True
     if selective_checkpoint:
         logging.getLogger("torch._higher_order_ops.wrap").addFilter(_quiet_context_fn_warning)
     for layer in layers:
