@@ -5,9 +5,12 @@ What varies between two runs of the same step without it, on a GPU: cuBLAS picks
 (``CUBLAS_WORKSPACE_CONFIG`` fixes it), a few kernels add with atomics (torch's deterministic algorithms replace them
 or refuse), cuDNN benchmarks its algorithms, and inductor times candidate kernels of a reduction at their first call
 and keeps the fastest (its ``deterministic`` mode skips every such timing that changes numerics). On the CPU the
-default path is already bitwise repeatable (tests/test_resume.py); the flags cost there too and change nothing.
+default path is bitwise repeatable (tests/test_resume.py; the compiled segment attention's backward since it sums a
+shared prompt's key gradients in a fixed order, tests/learner/test_segment_attention.py); the flags cost there too
+and change nothing.
 
-vLLM's sampling is not bitwise repeatable on either device (it has no deterministic mode here), so
+vLLM's sampling is not bitwise repeatable across a resume: on a GPU it has no deterministic mode, and on the CPU
+its engine's generator is not saved (two default runs from the start drew the same bits, bench/RESULTS.md), so
 ``sampler=vllm`` with this key is refused: the learner would be, the samples it learns from would not.
 """
 
@@ -23,8 +26,8 @@ from fgrpo.infra.errors import ConfigError
 
 # settings with no deterministic path: (config key, its value that has none, why, what to do)
 NONDETERMINISTIC_SETTINGS = (
-    ("sampler.name", "vllm", "vLLM's sampling is not bitwise repeatable (no deterministic mode in its CPU or CUDA "
-     "build)", "use sampler=hf (transformers generate through the learner's weights), or hardware.deterministic=false"),
+    ("sampler.name", "vllm", "vLLM's sampling is not bitwise repeatable across a resume (no deterministic mode on a "
+     "GPU; on the CPU its generator is not saved)", "use sampler=hf (transformers generate through the learner's weights), or hardware.deterministic=false"),
 )
 # cuBLAS's fixed workspace for repeatable results (CUDA's documentation; the other allowed value is ":16:8")
 CUBLAS_WORKSPACE = ":4096:8"

@@ -110,8 +110,8 @@ def segment_attention(
         # [S, Lq, Hkv, groups, D] -> [S, Hkv, groups * Lq, D]
         q = q_slots[queries].view(count, q_len, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
         q = q.reshape(count, kv_heads, groups * q_len, head_dim)
-        k = k_slots[keys].transpose(1, 2)  # [S, Hkv, Lk, D]
-        v = v_slots[keys].transpose(1, 2)
+        k = gather_rows(k_slots, keys).transpose(1, 2)  # [S, Hkv, Lk, D]
+        v = gather_rows(v_slots, keys).transpose(1, 2)
         scores = (torch.matmul(q, k.transpose(2, 3)) * scaling).view(count, kv_heads, groups, q_len, k_len)
         scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=at_least_fp32(q.dtype)).to(q.dtype)
@@ -122,6 +122,49 @@ def segment_attention(
         out = out.index_put((queries.flatten(),), o)  # padding queries all land on the discarded last slot
     return out[:-1].view(rows, width, heads, head_dim), None
 
+
+# A shared prompt's keys and values are read by each of its G completions, so their gradient is a sum over readers.
+# Compiled, ``k_slots[keys]``'s backward added the readers' gradients with atomics from every thread, in whatever order
+# the threads got there: on 2 threads four default runs had four step-1 gradient norms (1.70771 to 1.70813) and
+# diverged from step 2 (bench/RESULTS.md). These two ops are opaque to the compiler: index_add_ sums in index order,
+# in fp32. (Queries are read once each; only the padding slot, whose gradient is dropped, is read more than once.)
+@torch.library.custom_op("fgrpo::gather_rows", mutates_args=())
+def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``rows[index]``: ``[N, ...]`` by ``[S, L]`` -> ``[S, L, ...]``, with a backward that sums in a fixed order."""
+    return rows[index]
+
+
+@gather_rows.register_fake
+def _gather_rows_shape(rows, index):
+    return rows.new_empty((*index.shape, *rows.shape[1:]))
+
+
+@torch.library.custom_op("fgrpo::sum_into_rows", mutates_args=())
+def sum_into_rows(grad: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
+    """The gradient of :func:`gather_rows`: ``[count, ...]``, row ``n`` the fp32 sum, in index order, of the
+    ``grad`` rows read from row ``n``, rounded once to ``grad``'s dtype."""
+    summed = grad.new_zeros((count, *grad.shape[index.dim():]), dtype=at_least_fp32(grad.dtype))
+    summed.index_add_(0, index.flatten(), grad.flatten(0, index.dim() - 1).to(summed.dtype))
+    return summed.to(grad.dtype)
+
+
+@sum_into_rows.register_fake
+def _sum_into_rows_shape(grad, index, count):
+    return grad.new_empty((count, *grad.shape[index.dim():]))
+
+
+def _save_index(ctx, inputs, output):
+    rows, index = inputs
+    ctx.save_for_backward(index)
+    ctx.count = rows.shape[0]
+
+
+def _gather_rows_backward(ctx, grad):
+    (index,) = ctx.saved_tensors
+    return sum_into_rows(grad, index, ctx.count), None
+
+
+gather_rows.register_autograd(_gather_rows_backward, setup_context=_save_index)
 
 AttentionInterface.register(SEGMENT_ATTENTION, segment_attention)
 # generation and plain forwards (no segments) fall back to eager attention, so they need its causal mask

@@ -145,3 +145,36 @@ def test_what_segment_attention_does_not_do_is_refused(tmp_path, compose):
     validate(compose("hardware=cpu", "hardware.attention=segments"))
     with pytest.raises(ConfigError, match="segments"):
         validate(compose("hardware=cpu", "hardware.attention=flash"))
+
+
+def test_compiled_gradients_of_shared_prompt_keys_are_the_same_bits_every_time():
+    """A prompt's keys and values are read by each of its completions; compiled, their gradient is a sum that must not
+    depend on which thread adds first (inductor's atomic adds did: the default run's step 1 varied run to run)."""
+    gen = torch.Generator().manual_seed(0)
+    seqs = [Sequence(prompt, torch.randint(1, 97, (int(torch.randint(10, 80, (1,), generator=gen)),),
+                                           generator=gen).tolist())
+            for prompt in (torch.randint(1, 97, (40,), generator=gen).tolist() for _ in range(4)) for _ in range(8)]
+    layout = lay_out_rows(seqs, [list(range(i, i + 8)) for i in range(0, 32, 8)], 0, "cpu", share_prompts=True)
+    rows, width = layout.input_ids.shape
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 3, True
+    q, k, v = (torch.randn(rows, heads, width, 64, generator=gen).bfloat16().requires_grad_() for heads in (9, 3, 3))
+    upstream = torch.randn(rows, width, 9, 64, generator=gen).bfloat16()
+    queries, keys, allowed = segment_buckets(layout.segments, rows * width, "cpu")
+
+    def attend(q, k, v):
+        return segment_attention(module, q, k, v, None, scaling=0.125, segment_queries=queries, segment_keys=keys,
+                                 segment_allowed=allowed)[0]
+
+    compiled = torch.compile(attend, dynamic=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # one thread would add in order whatever the kernel
+    try:
+        first, *again = [torch.autograd.grad(compiled(q, k, v), (k, v), upstream) for _ in range(5)]
+    finally:
+        torch.set_num_threads(threads)
+    for grads in again:
+        assert all(torch.equal(a, b) for a, b in zip(grads, first))
+    eager = torch.autograd.grad(attend(q, k, v), (k, v), upstream)
+    for ours, reference in zip(first, eager):
+        torch.testing.assert_close(ours.float(), reference.float(), atol=1e-2, rtol=1e-2)
