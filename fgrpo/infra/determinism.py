@@ -27,7 +27,8 @@ from fgrpo.infra.errors import ConfigError
 # settings with no deterministic path: (config key, its value that has none, why, what to do)
 NONDETERMINISTIC_SETTINGS = (
     ("sampler.name", "vllm", "vLLM's sampling is not bitwise repeatable across a resume (no deterministic mode on a "
-     "GPU; on the CPU its generator is not saved)", "use sampler=hf (transformers generate through the learner's weights), or hardware.deterministic=false"),
+     "GPU; on the CPU its generator is not saved)",
+     "use sampler=hf (transformers generate through the learner's weights), or hardware.deterministic=false"),
 )
 # cuBLAS's fixed workspace for repeatable results (CUDA's documentation; the other allowed value is ":16:8")
 CUBLAS_WORKSPACE = ":4096:8"
