@@ -10,13 +10,14 @@ from fgrpo.learner.packing import Sequence, lay_out_rows
 from fgrpo.learner.segment_attention import SEGMENT_ATTENTION, segment_attention, segment_buckets
 
 
-def groups_of(prompts, samples, seed):
+def groups_of(prompts, samples, seed, prompt_len=(2, 9), completion_len=(1, 14)):
+    """``prompts`` random prompts with ``samples`` completions each; lengths drawn from the half-open ranges."""
     gen = torch.Generator().manual_seed(seed)
     seqs = []
     for _ in range(prompts):
-        prompt = torch.randint(1, 97, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen).tolist()
+        prompt = torch.randint(1, 97, (int(torch.randint(*prompt_len, (1,), generator=gen)),), generator=gen).tolist()
         for _ in range(samples):
-            n = int(torch.randint(1, 14, (1,), generator=gen))
+            n = int(torch.randint(*completion_len, (1,), generator=gen))
             seqs.append(Sequence(prompt, torch.randint(1, 97, (n,), generator=gen).tolist()))
     return seqs
 
@@ -150,10 +151,8 @@ def test_what_segment_attention_does_not_do_is_refused(tmp_path, compose):
 def test_compiled_gradients_of_shared_prompt_keys_are_the_same_bits_every_time():
     """A prompt's keys and values are read by each of its completions; compiled, their gradient is a sum that must not
     depend on which thread adds first (inductor's atomic adds did: the default run's step 1 varied run to run)."""
-    gen = torch.Generator().manual_seed(0)
-    seqs = [Sequence(prompt, torch.randint(1, 97, (int(torch.randint(10, 80, (1,), generator=gen)),),
-                                           generator=gen).tolist())
-            for prompt in (torch.randint(1, 97, (40,), generator=gen).tolist() for _ in range(4)) for _ in range(8)]
+    seqs = groups_of(prompts=4, samples=8, seed=0, prompt_len=(40, 41), completion_len=(10, 80))
+    gen = torch.Generator().manual_seed(1)
     layout = lay_out_rows(seqs, [list(range(i, i + 8)) for i in range(0, 32, 8)], 0, "cpu", share_prompts=True)
     rows, width = layout.input_ids.shape
     module = torch.nn.Module()
