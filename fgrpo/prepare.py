@@ -144,7 +144,7 @@ def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
 def warn_if_same_as_grpo(cfg: DictConfig) -> None:
     """DAPO's clip and CISPO's clamped weight act only where the ratio pi/pi_old moves from 1, i.e. after the first
     optimizer step on a batch: with one step per batch their gradient is GRPO's, token for token
-    (tests/algorithm/test_losses.py::test_on_policy_gradient_equals_reinforce; docs/results.md shows a DAPO and a
+    (tests/algorithm/test_losses.py::test_on_policy_gradient_equals_reinforce; docs/pilot.md shows a DAPO and a
     GRPO run that agree to 4 digits at every step). Say so where a user asks for DAPO or CISPO and gets GRPO."""
     if cfg.algo.name != "grpo" and cfg.trainer.mini_batches == 1:
         log.warning("algo=%s with trainer.mini_batches=1: every update is on-policy (ratio 1 at every token), where "

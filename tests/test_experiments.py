@@ -1,4 +1,5 @@
-"""The shipped experiments of docs/results.md compose to their documented settings and run end to end."""
+"""The shipped experiments of docs/results.md and docs/pilot.md compose to their documented settings and run end to
+end."""
 
 import json
 from pathlib import Path
@@ -7,7 +8,7 @@ from fgrpo.rollout.data import arithmetic_problems
 from fgrpo.infra.run_files import COUNTS_FILE, read_jsonl, read_metrics
 from test_run import run_cli
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "arith_headroom"  # committed in docs/results.md
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "arith_headroom"  # committed in docs/pilot.md
 
 
 def _report_of(runs: Path, tmp_path, **options) -> tuple[str, str]:
@@ -72,7 +73,7 @@ def test_arith_headroom_one_step_smoke_run_on_tiny_random(tmp_path):
 
 
 def test_the_committed_arith_headroom_runs_report_the_numbers_of_docs_results(tmp_path):
-    """docs/results.md quotes the report over the runs kept in the repository; they must still report the same."""
+    """docs/pilot.md quotes the report over the runs kept in the repository; they must still report the same."""
     _, md = _report_of(RESULTS / "runs", tmp_path)
     rows = _md_table(md)
     assert rows[("grpo", "focal", "0")] == "3 56.2 +- 5.2 77.2 +- 6.3 ref ref"
@@ -86,7 +87,7 @@ def test_the_committed_arith_headroom_runs_report_the_numbers_of_docs_results(tm
 
 
 def test_the_advantage_methods_over_seeds_0_and_1_report_the_numbers_of_docs_results(tmp_path):
-    """docs/results.md, "Against its neighbours": the report over seeds 0 and 1 gives the quoted pooled differences."""
+    """docs/pilot.md, "Against its neighbours": the report over seeds 0 and 1 gives the quoted pooled differences."""
     _, md = _report_of(RESULTS / "runs", tmp_path, seeds=["0", "1"])
     assert "Seeds 0, 1 only (2 runs of other seeds left out). 14 completed runs, 0 failed." in md
     assert _md_table(md) == {
@@ -105,7 +106,7 @@ def test_the_advantage_methods_over_seeds_0_and_1_report_the_numbers_of_docs_res
 
 
 def test_on_policy_dapo_is_grpo_step_for_step_as_docs_results_says():
-    """docs/results.md: with one update per batch DAPO's gradient is GRPO's, so the committed DAPO run (gamma 1, seed 0)
+    """docs/pilot.md: with one update per batch DAPO's gradient is GRPO's, so the committed DAPO run (gamma 1, seed 0)
     made the committed GRPO run's 40 steps: the same loss and rewards at every step, nothing clipped."""
     steps = {}
     runs = {"dapo": RESULTS / "dapo_on_policy" / "dapo_gamma1_seed0", "grpo": RESULTS / "runs" / "grpo_gamma1_seed0"}
@@ -122,7 +123,7 @@ def test_on_policy_dapo_is_grpo_step_for_step_as_docs_results_says():
 
 
 def test_the_committed_four_updates_runs_report_the_numbers_of_docs_results(tmp_path):
-    """docs/results.md, "Four updates per batch": the report over the committed runs gives the quoted numbers."""
+    """docs/pilot.md, "Four updates per batch": the report over the committed runs gives the quoted numbers."""
     table, md = _report_of(RESULTS / "mini_batches4" / "runs", tmp_path)
     rows = {tuple(line.split()[:2]): " ".join(line.split()[2:]) for line in table.replace("*", " ").splitlines()[2:]}
     assert rows[("cispo", "0")] == "3 53.9 +- 3.6 73.9 +- 5.9 ref ref"
@@ -131,7 +132,7 @@ def test_the_committed_four_updates_runs_report_the_numbers_of_docs_results(tmp_
     assert rows[("dapo", "1")] == "3 55.3 +- 8.4 75.6 +- 1.9 +4.3 (p=0.0002) -1.7 (p=0.0362)"
     assert rows[("grpo", "0")] == "3 55.6 +- 2.5 74.4 +- 3.5 ref ref"
     assert rows[("grpo", "1")] == "3 53.1 +- 5.7 82.8 +- 6.9 -2.5 (p=0.0002) +8.3 (p=0.0002)"
-    run_rows = [  # the report's table of runs, as docs/results.md quotes it
+    run_rows = [  # the report's table of runs, as docs/pilot.md quotes it
         "| cispo | 0 | 0 | — → 52.9 | — → 68.3 | — → 19 | +0.746 |",
         "| cispo | 1 | 0 | — → 45.2 | — → 71.7 | — → 17 | +0.535 |",
         "| cispo | 0 | 1 | — → 50.9 | — → 80.0 | — → 12 | +0.653 |",
