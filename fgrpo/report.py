@@ -36,6 +36,7 @@ sign-flip test (:mod:`fgrpo.evaluation.seed_stats`); a pair whose cells ran diff
     python -m fgrpo.report DIR --plan --effect 4 --alpha 0.01 [--power 0.8] [--metric pass@16]  # pairs needed
     python -m fgrpo.report DIR --plan --effect 4 --problems 240 --samples 32  # projected to another evaluation
     python -m fgrpo.report DIR --confirm PLAN.yaml  # a pre-registered analysis (fgrpo.evaluation.confirmatory)
+    python -m fgrpo.report DIR --confirm PLAN.yaml --out OUT  # also OUT/analysis.txt and OUT/analysis.png
 
 ``--problems``/``--samples`` project the pilot's spread to that many held-out problems and samples per problem
 (default the pilot's own) from its variance split (:mod:`fgrpo.evaluation.seed_planner`). These print only. They
@@ -54,8 +55,9 @@ from fgrpo.evaluation.sweep_report import (SIGNIFICANCE_ITERATIONS, build_table,
                                            significance_columns, significance_note)
 from fgrpo.evaluation.sweep_runs import (ReportError, check_same_config, find_missing_jobs, find_runs, largest_final_k,
                                        pass_at_ks)
-from fgrpo.evaluation.analysis_plan import load_plan
-from fgrpo.evaluation.confirmatory import analysis_lines
+from fgrpo.evaluation.analysis_plan import Plan, load_plan
+from fgrpo.evaluation.confirm_figure import plot_confirmatory
+from fgrpo.evaluation.confirmatory import analysis_lines, arm_runs, tested_steps
 from fgrpo.evaluation.seed_planner import plan_text
 from fgrpo.evaluation.seed_stats import PAIRED_NOTE, paired_tables, variance_table
 
@@ -146,6 +148,21 @@ def stats_report(sweep_dir: Path, *, variance: bool = False, plan: dict | None =
     return "\n\n".join(parts)
 
 
+def confirm(sweep_dir: Path, plan: Plan, out_dir: Path | None = None) -> list[str]:
+    """Print the pre-registered analysis of the completed runs under sweep_dir; with out_dir, also write it to
+    out_dir/analysis.txt and its figure to out_dir/analysis.png (:mod:`fgrpo.evaluation.confirm_figure`)."""
+    runs = [r for r in find_runs(sweep_dir) if r.status == "completed"]
+    lines = analysis_lines(runs, plan)
+    print("\n".join(lines))
+    if out_dir is not None:
+        arms = arm_runs(runs, plan)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "analysis.txt").write_text("\n".join(lines) + "\n")
+        plot_confirmatory(tested_steps(arms, plan)[0], arms, plan, out_dir / "analysis.png")
+        print(f"wrote {out_dir / 'analysis.txt'} and {out_dir / 'analysis.png'}", file=sys.stderr)
+    return lines
+
+
 def _of_seeds(runs: list, seeds: list[str]) -> list:
     kept = [r for r in runs if str(r.config.get("seed")) in seeds]
     if not kept:
@@ -158,7 +175,8 @@ def _of_seeds(runs: list, seeds: list[str]) -> list:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fgrpo.report", description=__doc__.split("\n")[0])
     parser.add_argument("sweep_dir", type=Path, help="a sweep directory, e.g. outputs/multirun/<date>/<time>")
-    parser.add_argument("--out", type=Path, default=None, help="where to write report.md and report.png")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where to write report.md and report.png (with --confirm: analysis.txt and analysis.png)")
     parser.add_argument("--significance-iterations", type=int, default=SIGNIFICANCE_ITERATIONS,
                         help="iterations of the paired subsampling test per compared row (the paper: 50000)")
     parser.add_argument("--seeds", type=lambda text: [s.strip() for s in text.split(",") if s.strip()], default=None,
@@ -187,14 +205,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--problems and --samples must be >= 1, got {args.problems} and {args.samples}")
     if args.significance_iterations < 1:
         parser.error(f"--significance-iterations must be >= 1, got {args.significance_iterations}")
-    if args.confirm is not None and (args.variance or args.plan or args.seeds is not None or args.out is not None):
-        parser.error("--confirm runs the plan file's analysis alone: leave out --variance, --plan, --seeds and --out")
+    if args.confirm is not None and (args.variance or args.plan or args.seeds is not None):
+        parser.error("--confirm runs the plan file's analysis alone: leave out --variance, --plan and --seeds")
     if args.seeds == []:
         parser.error("--seeds needs seeds, e.g. --seeds 0,1 (or leave it out for every seed)")
     try:
         if args.confirm is not None:
-            runs = [r for r in find_runs(args.sweep_dir) if r.status == "completed"]
-            print("\n".join(analysis_lines(runs, load_plan(args.confirm))))
+            confirm(args.sweep_dir, load_plan(args.confirm), args.out)
             return 0
         if args.variance or args.plan:
             plan = (dict(effect=args.effect, alpha=args.alpha, power=args.power, metric=args.metric,

@@ -146,26 +146,41 @@ def _non_inferiority_line(step: str, c: Comparison, differences: np.ndarray) -> 
             f"(alpha {c.alpha:g}: {'non-inferior' if ni.passed else 'not shown'})", ni.passed)
 
 
+@dataclass(frozen=True)
+class TestedStep:
+    """One test the sequence ran: its line of the analysis and the per-seed differences it ran on."""
+    label: str  # "Primary", "Then 1", ...
+    comparison: Comparison
+    differences: np.ndarray  # [S] a - b per seed, points, in the plan's seed order
+    line: str
+    passed: bool
+
+
+def tested_steps(arms: dict[str, list[Run]], plan: Plan) -> tuple[list[TestedStep], list[str]]:
+    """The plan's tests in their fixed order, each only if the one before it passed (module docstring): the steps
+    that ran, and the lines of the analysis (the equivalence call and the steps not tested included)."""
+    steps, lines, passed = [], [], True
+    for i, c in enumerate((plan.primary, *plan.then)):
+        label = "Primary" if i == 0 else f"Then {i}"
+        if not passed:
+            lines.append(f"{label}: {c.a} − {c.b}, {c.metric}: not tested (the test before it did not pass)")
+            continue
+        a, b = arm_values(arms, c.a, c.metric), arm_values(arms, c.b, c.metric)
+        line, passed = (_superiority_line(label, c, a, b) if c.non_inferiority_margin is None
+                        else _non_inferiority_line(label, c, a - b))
+        steps.append(TestedStep(label, c, a - b, line, passed))
+        lines.append(line)
+        if i == 0 and not passed:
+            lines.append(_equivalence_line(plan, a - b))
+    return steps, lines
+
+
 def analysis_lines(runs: list[Run], plan: Plan) -> list[str]:
     """The pre-registered tests in their order (module docstring), then the per-arm reported values."""
     arms = arm_runs(runs, plan)
     lines = [f"Confirmatory analysis: {len(plan.seeds)} seeds ({', '.join(plan.seeds)}) x {len(arms)} arms: "
              + "; ".join(f"{name} = {cell_label((cell, ()))}" for name, cell in plan.arms.items()),
-             *_cpu_lines(arms)]
-    primary = plan.primary
-    a, b = arm_values(arms, primary.a, primary.metric), arm_values(arms, primary.b, primary.metric)
-    line, passed = _superiority_line("Primary", primary, a, b)
-    lines.append(line)
-    if not passed:
-        lines.append(_equivalence_line(plan, a - b))
-    for i, c in enumerate(plan.then, start=1):
-        if not passed:
-            lines.append(f"Then {i}: {c.a} − {c.b}, {c.metric}: not tested (the test before it did not pass)")
-            continue
-        a, b = arm_values(arms, c.a, c.metric), arm_values(arms, c.b, c.metric)
-        line, passed = (_superiority_line(f"Then {i}", c, a, b) if c.non_inferiority_margin is None
-                        else _non_inferiority_line(f"Then {i}", c, a - b))
-        lines.append(line)
+             *_cpu_lines(arms), *tested_steps(arms, plan)[1]]
     lines += ["", "Reported, not tested (mean over seeds [95% t interval]):", *_reported_lines(arms, plan)]
     return lines
 

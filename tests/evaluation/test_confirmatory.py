@@ -183,3 +183,32 @@ def test_the_cpu_that_ran_each_seed_is_named(tmp_path):
         kind = "AMD EPYC: AVX2 only" if run.config["seed"] == 4 else "AMD EPYC: avx512_bf16"
         (run.path / "cpu_kind.txt").write_text(kind + "\n")
     assert _cpu_lines({"grpo": runs}) == ["CPU AMD EPYC: avx512_bf16: seeds 3, 10", "CPU AMD EPYC: AVX2 only: seeds 4"]
+
+
+def test_the_figure_draws_the_tests_the_sequence_ran_and_each_arms_pass_at_k(tmp_path):
+    from fgrpo.evaluation.confirm_figure import pass_at_k_by_arm, plot_confirmatory
+    from fgrpo.evaluation.confirmatory import arm_runs, tested_steps
+
+    rng, plan = np.random.default_rng(1), load_plan(PLAN)
+    values = {"grpo": arm_values(rng, 0.0), "fgrpo": arm_values(rng, 0.05, shift1=-0.01),
+              "control": arm_values(rng, 0.0)}
+    arms = arm_runs(make_runs(values), plan)
+    steps, lines = tested_steps(arms, plan)
+    assert [s.label for s in steps] == ["Primary", "Then 1", "Then 2"] and [s.line for s in steps] == lines
+    assert np.allclose(steps[0].differences, [100 * (f[1] - g[1]) for f, g in zip(values["fgrpo"], values["grpo"])])
+    figure = plot_confirmatory(steps, arms, plan, tmp_path / "out" / "analysis.png")
+    assert (tmp_path / "out" / "analysis.png").read_bytes()[:4] == b"\x89PNG"
+    left, right = figure.axes
+    assert [t.get_text().split(":")[0] for t in left.get_yticklabels()] == ["Then 2", "Then 1", "Primary"]
+    assert [t.get_text() for t in right.get_legend().get_texts()] == ["grpo", "fgrpo", "control"]
+    curves = pass_at_k_by_arm(arms, plan)  # the plan reports pass@1..16; these runs logged 1 and 16
+    assert [k for k, *_ in curves["fgrpo"]] == [1, 16]
+    assert curves["fgrpo"][1][1] == pytest.approx(np.mean([v[1] for v in values["fgrpo"]]))
+
+    rng = np.random.default_rng(2)  # a null primary: one test ran, one row drawn
+    arms = arm_runs(make_runs({"grpo": arm_values(rng, 0.0), "fgrpo": arm_values(rng, 0.0),
+                               "control": arm_values(rng, 0.1)}), plan)
+    steps, lines = tested_steps(arms, plan)
+    assert len(steps) == 1 and lines[1].startswith("Equivalence") and lines[-1].endswith("did not pass)")
+    left = plot_confirmatory(steps, arms, plan, tmp_path / "null.png").axes[0]
+    assert len(left.get_yticklabels()) == 1
