@@ -173,7 +173,7 @@ def pilot_difference_sd(cells: dict, metric: str) -> tuple[float, str]:
             value = {label: {str(r.config.get("seed")): 100 * r.final[f"eval/{metric}"] for r in cells[label]}
                      for label in (key, base)}
             differences.append(np.array([value[key][s] - value[base][s] for s in common]))
-            used.append(f"{cell_label(key)} vs gamma=0 ({len(common)} seeds)")
+            used.append(f"{cell_label(key)} vs {cell_label(base)} ({len(common)} seeds)")
     if differences:
         sd, df = _pooled_sd(differences)
         return sd, (f"the pooled sd of the per-seed paired differences, {df} df, over {len(used)} pairs: "

@@ -275,3 +275,14 @@ def test_the_step_size_control_is_paired_with_grpo_and_with_f_grpo_at_its_gamma(
     pairs = compared_pairs({grpo: [], fgrpo: [], control: []})
     assert pairs == [(fgrpo, grpo), (control, grpo), (fgrpo, control)]  # F-GRPO minus the control: the reweighting
     assert compared_pairs({grpo: [], fgrpo: []}) == [(fgrpo, grpo)]
+
+
+def test_plan_pools_the_paired_differences_and_names_both_cells_of_each_pair():
+    values = {0.0: (50, 60, 70), 1.0: (55, 60, 80)}  # gamma 1 - gamma 0 per seed: +5, 0, +10
+    runs = [make_run("grpo", g, s, v / 100) for g, row in values.items() for s, v in enumerate(row)]
+    runs += [make_run("dapo", 0.0, s, 0.5) for s in range(3)] + [make_run("dapo", 1.0, s, 0.5) for s in range(3)]
+    text = plan_text(runs, effect=5.0, alpha=0.05, power=0.8, metric="pass@1")
+    # the differences' sd: grpo (+5, 0, +10): sum of squares 50; dapo (0, 0, 0): 0; pooled over 4 df: sqrt(12.5)
+    assert (f"sd of a per-seed difference: {np.sqrt(12.5):.2f} points (the pooled sd of the per-seed paired "
+            "differences, 4 df, over 2 pairs: ") in text
+    assert "dapo, gamma=1 vs dapo, gamma=0 (3 seeds)" in text and "grpo, gamma=1 vs grpo, gamma=0 (3 seeds)" in text
