@@ -2,6 +2,7 @@
 end."""
 
 import json
+import re
 from pathlib import Path
 
 from fgrpo.rollout.data import arithmetic_problems
@@ -9,6 +10,7 @@ from fgrpo.infra.run_files import COUNTS_FILE, read_jsonl, read_metrics
 from test_run import run_cli
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "arith_headroom"  # committed in docs/pilot.md
+CONFIRM = RESULTS.parent / "arith_confirm"  # the pre-registered confirmatory run that docs/results.md leads with
 
 
 def _report_of(runs: Path, tmp_path, **options) -> tuple[str, str]:
@@ -157,3 +159,19 @@ def test_the_committed_four_updates_runs_report_the_numbers_of_docs_results(tmp_
     assert "| grpo | 1 | 0, 1, 2 | 57.4, 46.6, 55.3 | -2.5 (p=0.6000) | 88.3, 75.0, 85.0 | +8.3 (p=0.2000) |" in md
     assert "| cispo | 1 | 0, 1, 2 | 45.2, 47.0, 51.8 | -5.9 (p=0.2000) | 71.7, 80.0, 81.7 | +3.9 (p=0.6000) |" in md
     assert "| dapo | 1 | 0, 1, 2 | 59.9, 45.7, 60.3 | +4.3 (p=0.4000) | 76.7, 73.3, 76.7 | -5.6 (p=0.3000) |" in md
+
+
+def test_the_confirmatory_runs_give_the_analysis_docs_results_leads_with(tmp_path, capsys):
+    """docs/results.md leads with the pre-registered analysis of the 48 committed runs (analysis.txt beside them): the
+    runs must still give it line for line, and the page must quote the primary test's mean, interval and p."""
+    from fgrpo.report import main
+
+    plan = CONFIRM / "analysis_plan.yaml"
+    assert main([str(CONFIRM / "runs"), "--confirm", str(plan), "--out", str(tmp_path)]) == 0
+    committed = (CONFIRM / "analysis.txt").read_text()
+    assert capsys.readouterr().out == committed and (tmp_path / "analysis.txt").read_text() == committed
+    assert (tmp_path / "analysis.png").stat().st_size > 10_000
+    primary = next(line for line in committed.splitlines() if line.startswith("Primary: fgrpo − grpo, pass@16"))
+    quoted = re.search(r"mean (\S+) points, 99% interval \[(\S+), (\S+)\], paired t p = (\S+) ", primary).groups()
+    page = (RESULTS.parents[1] / "results.md").read_text()
+    assert all(value in page for value in quoted), (quoted, "docs/results.md must quote these")

@@ -1,8 +1,9 @@
 """The figure of a pre-registered analysis (``python -m fgrpo.report DIR --confirm PLAN.yaml --out OUT`` writes
 ``OUT/analysis.png`` beside ``OUT/analysis.txt``): on the left, each test the sequence ran, its per-seed differences
-as dots and its mean with the step's interval (the equivalence margin shaded on the primary, the non-inferiority
-margin drawn as a line); on the right, the reported pass@k per arm, mean over seeds with its 95% t interval.
-Steps the sequence did not reach are left out: the figure shows what the analysis tested, nothing more."""
+as dots and its mean with the step's interval (the equivalence margin shaded on the primary, with the interval that
+calls a null where the primary is not significant; the non-inferiority margin drawn as a line); on the right, the
+reported pass@k per arm, mean over seeds with its 95% t interval. Steps the sequence did not reach are left out: the
+figure shows what the analysis tested, nothing more."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def _confidence(step: TestedStep) -> float:
     return 1 - c.alpha if c.non_inferiority_margin is None else 1 - 2 * c.alpha
 
 
-def _draw_differences(axes, steps: list[TestedStep], margin: float) -> None:
+def _draw_differences(axes, steps: list[TestedStep], plan: Plan) -> None:
+    margin = plan.equivalence_margin
     rng = np.random.default_rng(0)  # vertical jitter of the dots only
     for row, step in enumerate(steps):
         c, d = step.comparison, step.differences
@@ -57,6 +59,11 @@ def _draw_differences(axes, steps: list[TestedStep], margin: float) -> None:
         low, high = _t_interval(d, _confidence(step))
         axes.errorbar(d.mean(), y + 0.3, xerr=[[d.mean() - low], [high - d.mean()]], fmt="o", color="C3",
                       capsize=4, zorder=4, label="mean, the step's t interval" if row == 0 else None)
+        if row == 0 and not step.passed:  # a primary that is not significant: the interval that calls a null
+            low, high = _t_interval(d, 1 - 2 * plan.equivalence_alpha)
+            axes.errorbar(d.mean(), y + 0.18, xerr=[[d.mean() - low], [high - d.mean()]], fmt="s", color="C2",
+                          capsize=4, zorder=4, label=f"{100 * (1 - 2 * plan.equivalence_alpha):g}% t interval "
+                                                     "(equivalence)")
         if row == 0 and margin:
             axes.fill_betweenx([y - 0.4, y + 0.45], -margin, margin, color="C2", alpha=0.12,
                                label=f"equivalence margin ±{margin:g}")
@@ -83,7 +90,7 @@ def plot_confirmatory(steps: list[TestedStep], arms: dict[str, list[Run]], plan:
         raise ValueError("the analysis ran no test: nothing to draw")
     figure = Figure(figsize=(11.0, 1.6 + 1.3 * len(steps)), dpi=150, layout="constrained")
     left, right = figure.subplots(1, 2, width_ratios=[1.25, 1.0])
-    _draw_differences(left, steps, plan.equivalence_margin)
+    _draw_differences(left, steps, plan)
     curves = pass_at_k_by_arm(arms, plan)
     if curves:
         draw_pass_at_k(right, curves, title=f"pass@k after training, {len(plan.seeds)} seeds per arm")

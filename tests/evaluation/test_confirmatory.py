@@ -212,3 +212,5 @@ def test_the_figure_draws_the_tests_the_sequence_ran_and_each_arms_pass_at_k(tmp
     assert len(steps) == 1 and lines[1].startswith("Equivalence") and lines[-1].endswith("did not pass)")
     left = plot_confirmatory(steps, arms, plan, tmp_path / "null.png").axes[0]
     assert len(left.get_yticklabels()) == 1
+    legend = [t.get_text() for t in left.get_legend().get_texts()]
+    assert "90% t interval (equivalence)" in legend and "equivalence margin ±3" in legend
