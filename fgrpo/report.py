@@ -57,7 +57,7 @@ from fgrpo.evaluation.sweep_runs import (ReportError, check_same_config, find_mi
                                        pass_at_ks)
 from fgrpo.evaluation.analysis_plan import Plan, load_plan
 from fgrpo.evaluation.confirm_figure import plot_confirmatory
-from fgrpo.evaluation.confirmatory import analysis_lines, arm_runs, tested_steps
+from fgrpo.evaluation.confirmatory import analysis
 from fgrpo.evaluation.seed_planner import plan_text
 from fgrpo.evaluation.seed_stats import PAIRED_NOTE, paired_tables, variance_table
 
@@ -151,14 +151,12 @@ def stats_report(sweep_dir: Path, *, variance: bool = False, plan: dict | None =
 def confirm(sweep_dir: Path, plan: Plan, out_dir: Path | None = None) -> list[str]:
     """Print the pre-registered analysis of the completed runs under sweep_dir; with out_dir, also write it to
     out_dir/analysis.txt and its figure to out_dir/analysis.png (:mod:`fgrpo.evaluation.confirm_figure`)."""
-    runs = [r for r in find_runs(sweep_dir) if r.status == "completed"]
-    lines = analysis_lines(runs, plan)
+    lines, arms, steps = analysis([r for r in find_runs(sweep_dir) if r.status == "completed"], plan)
     print("\n".join(lines))
     if out_dir is not None:
-        arms = arm_runs(runs, plan)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "analysis.txt").write_text("\n".join(lines) + "\n")
-        plot_confirmatory(tested_steps(arms, plan)[0], arms, plan, out_dir / "analysis.png")
+        plot_confirmatory(steps, arms, plan, out_dir / "analysis.png")
         print(f"wrote {out_dir / 'analysis.txt'} and {out_dir / 'analysis.png'}", file=sys.stderr)
     return lines
 

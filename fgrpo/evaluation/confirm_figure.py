@@ -11,20 +11,11 @@ import os
 from pathlib import Path
 
 import numpy as np
-from scipy import stats
 
 from fgrpo.evaluation.analysis_plan import Plan
-from fgrpo.evaluation.confirmatory import TestedStep
+from fgrpo.evaluation.confirmatory import TestedStep, mean_interval
 from fgrpo.evaluation.plots import draw_pass_at_k
 from fgrpo.evaluation.sweep_runs import Run
-
-
-def _t_interval(values: np.ndarray, confidence: float) -> tuple[float, float]:
-    """mean +- t sd / sqrt(S) of ``values`` [S]; the mean twice where they do not spread."""
-    if np.ptp(values) == 0:
-        return float(values[0]), float(values[0])
-    low, high = stats.t.interval(confidence, values.size - 1, loc=values.mean(), scale=stats.sem(values))
-    return float(low), float(high)
 
 
 def pass_at_k_by_arm(arms: dict[str, list[Run]], plan: Plan) -> dict[str, list[tuple[int, float, float, float]]]:
@@ -36,17 +27,10 @@ def pass_at_k_by_arm(arms: dict[str, list[Run]], plan: Plan) -> dict[str, list[t
         for k in ks:
             values = np.array([run.final[f"eval/pass@{k}"] for run in runs if f"eval/pass@{k}" in run.final])
             if values.size == len(runs) and values.size >= 2:
-                points.append((k, float(values.mean()), *_t_interval(values, 0.95)))
+                points.append((k, float(values.mean()), *mean_interval(values)))
         if points:
             curves[name] = points
     return curves
-
-
-def _confidence(step: TestedStep) -> float:
-    """The interval that decides the step: two-sided 1 - alpha (superiority); 1 - 2 alpha, whose lower end is the
-    one-sided 1 - alpha bound (non-inferiority)."""
-    c = step.comparison
-    return 1 - c.alpha if c.non_inferiority_margin is None else 1 - 2 * c.alpha
 
 
 def _draw_differences(axes, steps: list[TestedStep], plan: Plan) -> None:
@@ -56,11 +40,11 @@ def _draw_differences(axes, steps: list[TestedStep], plan: Plan) -> None:
         c, d = step.comparison, step.differences
         y = len(steps) - 1 - row
         axes.scatter(d, y + rng.uniform(-0.12, 0.12, d.size), s=14, color="0.45", zorder=3)
-        low, high = _t_interval(d, _confidence(step))
+        low, high = step.interval
         axes.errorbar(d.mean(), y + 0.3, xerr=[[d.mean() - low], [high - d.mean()]], fmt="o", color="C3",
                       capsize=4, zorder=4, label="mean, the step's t interval" if row == 0 else None)
-        if row == 0 and not step.passed:  # a primary that is not significant: the interval that calls a null
-            low, high = _t_interval(d, 1 - 2 * plan.equivalence_alpha)
+        if step.equivalence is not None:  # a primary that is not significant: the interval that calls a null
+            low, high = step.equivalence
             axes.errorbar(d.mean(), y + 0.18, xerr=[[d.mean() - low], [high - d.mean()]], fmt="s", color="C2",
                           capsize=4, zorder=4, label=f"{100 * (1 - 2 * plan.equivalence_alpha):g}% t interval "
                                                      "(equivalence)")
@@ -73,7 +57,7 @@ def _draw_differences(axes, steps: list[TestedStep], plan: Plan) -> None:
     axes.axvline(0.0, color="0.2", linewidth=0.8)
     axes.set_yticks(range(len(steps)))
     axes.set_yticklabels([f"{s.label}: {s.comparison.a} − {s.comparison.b}\n{s.comparison.metric}, "
-                          f"{100 * _confidence(s):g}% interval" for s in reversed(steps)], fontsize="small")
+                          f"{100 * s.confidence:g}% interval" for s in reversed(steps)], fontsize="small")
     axes.set_ylim(-0.6, len(steps) - 0.4)
     axes.set_xlabel("per-seed difference (points)")
     axes.set_title("the tests the sequence ran (a dot per seed)")

@@ -19,7 +19,7 @@ is significant"); each line says which way (a above or below b). The plan file: 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -122,38 +122,44 @@ def arm_values(arms: dict[str, list[Run]], arm: str, metric: str) -> np.ndarray:
         raise ReportError(f"the plan's metric {metric}: a run of {arm} logged no eval/{metric}") from None
 
 
-def _superiority_line(step: str, c: Comparison, values_a: np.ndarray, values_b: np.ndarray) -> tuple[str, bool]:
-    test = paired_seed_test(values_a, values_b, confidence=1 - c.alpha)
-    significant = test.t_p < c.alpha
-    side = f"{c.a} above {c.b}" if test.mean > 0 else f"{c.a} below {c.b}"
-    return (f"{step}: {c.a} − {c.b}, {c.metric}: mean {test.mean:+.2f} points, {100 * (1 - c.alpha):g}% interval "
-            f"[{test.ci_low:+.2f}, {test.ci_high:+.2f}], paired t p = {test.t_p:.4f} (alpha {c.alpha:g}: "
-            + (f"significant, {side}" if significant else "not significant")
-            + f"); sign-flip p = {test.sign_flip_p:.4f}", significant)
-
-
-def _equivalence_line(plan: Plan, differences: np.ndarray) -> str:
-    eq = equivalence_test(differences, plan.equivalence_margin, plan.equivalence_alpha)
-    return (f"Equivalence (TOST at {plan.equivalence_alpha:g}, margin ±{plan.equivalence_margin:g}): "
-            f"{100 * (1 - 2 * plan.equivalence_alpha):g}% interval [{eq.ci_low:+.2f}, {eq.ci_high:+.2f}], "
-            f"p = {eq.p:.4f}: " + ("equivalent: a null result" if eq.passed else "not equivalent either: inconclusive"))
-
-
-def _non_inferiority_line(step: str, c: Comparison, differences: np.ndarray) -> tuple[str, bool]:
-    ni = non_inferiority_test(differences, c.non_inferiority_margin, c.alpha)
-    return (f"{step}: {c.a} − {c.b}, {c.metric}, non-inferiority within {c.non_inferiority_margin:g} points: "
-            f"mean {ni.mean:+.2f}, one-sided {100 * (1 - c.alpha):g}% lower bound {ni.ci_low:+.2f}, p = {ni.p:.4f} "
-            f"(alpha {c.alpha:g}: {'non-inferior' if ni.passed else 'not shown'})", ni.passed)
-
-
 @dataclass(frozen=True)
 class TestedStep:
-    """One test the sequence ran: its line of the analysis and the per-seed differences it ran on."""
+    """One test the sequence ran: its line of the analysis, the per-seed differences it ran on and the intervals
+    its test computed (the figure draws these, :mod:`fgrpo.evaluation.confirm_figure`)."""
     label: str  # "Primary", "Then 1", ...
     comparison: Comparison
     differences: np.ndarray  # [S] a - b per seed, points, in the plan's seed order
     line: str
     passed: bool
+    confidence: float  # of the interval below: 1 - alpha (superiority), 1 - 2 alpha (non-inferiority)
+    interval: tuple[float, float]  # the two-sided interval that decides (non-inferiority: its low end is the bound)
+    equivalence: tuple[float, float] | None = None  # a primary that is not significant: the TOST interval
+
+
+def _superiority_step(label: str, c: Comparison, values_a: np.ndarray, values_b: np.ndarray) -> TestedStep:
+    test = paired_seed_test(values_a, values_b, confidence=1 - c.alpha)
+    significant = test.t_p < c.alpha
+    side = f"{c.a} above {c.b}" if test.mean > 0 else f"{c.a} below {c.b}"
+    line = (f"{label}: {c.a} − {c.b}, {c.metric}: mean {test.mean:+.2f} points, {100 * (1 - c.alpha):g}% interval "
+            f"[{test.ci_low:+.2f}, {test.ci_high:+.2f}], paired t p = {test.t_p:.4f} (alpha {c.alpha:g}: "
+            + (f"significant, {side}" if significant else "not significant")
+            + f"); sign-flip p = {test.sign_flip_p:.4f}")
+    return TestedStep(label, c, values_a - values_b, line, significant, 1 - c.alpha, (test.ci_low, test.ci_high))
+
+
+def _equivalence_line(plan: Plan, eq: OneSidedResult) -> str:
+    return (f"Equivalence (TOST at {plan.equivalence_alpha:g}, margin ±{plan.equivalence_margin:g}): "
+            f"{100 * (1 - 2 * plan.equivalence_alpha):g}% interval [{eq.ci_low:+.2f}, {eq.ci_high:+.2f}], "
+            f"p = {eq.p:.4f}: " + ("equivalent: a null result" if eq.passed else "not equivalent either: inconclusive"))
+
+
+def _non_inferiority_step(label: str, c: Comparison, differences: np.ndarray) -> TestedStep:
+    ni = non_inferiority_test(differences, c.non_inferiority_margin, c.alpha)
+    line = (f"{label}: {c.a} − {c.b}, {c.metric}, non-inferiority within {c.non_inferiority_margin:g} points: "
+            f"mean {ni.mean:+.2f}, one-sided {100 * (1 - c.alpha):g}% lower bound {ni.ci_low:+.2f}, p = {ni.p:.4f} "
+            f"(alpha {c.alpha:g}: {'non-inferior' if ni.passed else 'not shown'})")
+    # the one-sided 1 - alpha bound is the low end of the two-sided 1 - 2 alpha interval
+    return TestedStep(label, c, differences, line, ni.passed, 1 - 2 * c.alpha, (ni.ci_low, 2 * ni.mean - ni.ci_low))
 
 
 def tested_steps(arms: dict[str, list[Run]], plan: Plan) -> tuple[list[TestedStep], list[str]]:
@@ -166,23 +172,33 @@ def tested_steps(arms: dict[str, list[Run]], plan: Plan) -> tuple[list[TestedSte
             lines.append(f"{label}: {c.a} − {c.b}, {c.metric}: not tested (the test before it did not pass)")
             continue
         a, b = arm_values(arms, c.a, c.metric), arm_values(arms, c.b, c.metric)
-        line, passed = (_superiority_line(label, c, a, b) if c.non_inferiority_margin is None
-                        else _non_inferiority_line(label, c, a - b))
-        steps.append(TestedStep(label, c, a - b, line, passed))
-        lines.append(line)
+        step = (_superiority_step(label, c, a, b) if c.non_inferiority_margin is None
+                else _non_inferiority_step(label, c, a - b))
+        lines.append(step.line)
+        passed = step.passed
         if i == 0 and not passed:
-            lines.append(_equivalence_line(plan, a - b))
+            eq = equivalence_test(step.differences, plan.equivalence_margin, plan.equivalence_alpha)
+            step = replace(step, equivalence=(eq.ci_low, eq.ci_high))
+            lines.append(_equivalence_line(plan, eq))
+        steps.append(step)
     return steps, lines
 
 
-def analysis_lines(runs: list[Run], plan: Plan) -> list[str]:
-    """The pre-registered tests in their order (module docstring), then the per-arm reported values."""
+def analysis(runs: list[Run], plan: Plan) -> tuple[list[str], dict[str, list[Run]], list[TestedStep]]:
+    """The pre-registered tests in their order (module docstring), then the per-arm reported values: (the lines,
+    the arms' runs, the steps that ran)."""
     arms = arm_runs(runs, plan)
+    steps, step_lines = tested_steps(arms, plan)
     lines = [f"Confirmatory analysis: {len(plan.seeds)} seeds ({', '.join(plan.seeds)}) x {len(arms)} arms: "
              + "; ".join(f"{name} = {cell_label((cell, ()))}" for name, cell in plan.arms.items()),
-             *_cpu_lines(arms), *tested_steps(arms, plan)[1]]
-    lines += ["", "Reported, not tested (mean over seeds [95% t interval]):", *_reported_lines(arms, plan)]
-    return lines
+             *_cpu_lines(arms), *step_lines,
+             "", "Reported, not tested (mean over seeds [95% t interval]):", *_reported_lines(arms, plan)]
+    return lines, arms, steps
+
+
+def analysis_lines(runs: list[Run], plan: Plan) -> list[str]:
+    """The lines of :func:`analysis`."""
+    return analysis(runs, plan)[0]
 
 
 def _cpu_lines(arms: dict[str, list[Run]]) -> list[str]:
@@ -195,9 +211,18 @@ def _cpu_lines(arms: dict[str, list[Run]]) -> list[str]:
     return [f"CPU {kind}: seeds {', '.join(sorted(seeds, key=lambda s: s.zfill(12)))}" for kind, seeds in kinds.items()]
 
 
+def mean_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """The t interval of the mean of ``values`` [S], S >= 2; the mean twice where they do not spread."""
+    v = np.asarray(values, dtype=float)
+    if np.ptp(v) == 0:
+        return float(v[0]), float(v[0])
+    low, high = stats.t.interval(confidence, v.size - 1, loc=v.mean(), scale=stats.sem(v))
+    return float(low), float(high)
+
+
 def _interval(values: Sequence[float]) -> str:
     v = np.asarray(values, dtype=float)
-    low, high = stats.t.interval(0.95, v.size - 1, loc=v.mean(), scale=stats.sem(v)) if np.ptp(v) > 0 else (v[0], v[0])
+    low, high = mean_interval(v)
     return f"{v.mean():.2f} [{low:.2f}, {high:.2f}]"
 
 
