@@ -26,14 +26,14 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 from omegaconf import DictConfig  # noqa: E402
 
-# only modules that import without torch at the top: the verifier's worker processes start by re-importing this
+# only modules that import without torch at the top: the reward pool's worker processes start by re-importing this
 # module (multiprocessing's spawn, under `python -m fgrpo.evaluate`), and each would load torch for nothing
-from fgrpo.config import register_configs, to_container, validate  # noqa: E402
+from fgrpo.config import register_configs, to_container  # noqa: E402
 from fgrpo.evaluation.pass_at_k import default_ks  # noqa: E402
 from fgrpo.evaluation.plots import plot_pass_at_k  # noqa: E402
 from fgrpo.infra.errors import BAD_INPUT, ConfigError  # noqa: E402
 from fgrpo.infra.run_files import COUNTS_FILE, PASS_AT_K_PLOT  # noqa: E402
-from fgrpo.rollout.verifier import close_verifier  # noqa: E402
+from fgrpo.validation import validate  # noqa: E402
 
 log = logging.getLogger("fgrpo")
 
@@ -86,12 +86,12 @@ def evaluate_model(cfg: DictConfig, out_dir: Path, *, run_name: str | None = Non
     try:
         with make_tracker(cfg, out_dir, run_name, overrides, run.precision) as tracker:
             metrics, curve, count_rows = evaluate(
-                sampler, run.data.eval, run.prompt_ids, run.verifier, n_samples=cfg.eval.n_samples,
+                sampler, run.data.eval, run.prompt_ids, run.scorer, n_samples=cfg.eval.n_samples,
                 max_problems=cfg.eval.max_problems, max_new_tokens=cfg.sampler.max_new_tokens,
                 temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p, seed=cfg.seed + EVAL_SEED_OFFSET)
             final = _write_results(cfg, out_dir, source, run, metrics, curve, count_rows, tracker)
     finally:
-        close_verifier(run.verifier)
+        run.scorer.close()
         sampler.close()
     return final
 

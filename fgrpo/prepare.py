@@ -1,6 +1,7 @@
 """The setup every entry point shares (run.py's training, fgrpo.evaluate, fgrpo.rare_nll build), in the order that
-makes bad input fail cheaply: the config's ranges -> the data -> the verifier -> the sampler's package and the device
--> the model's folder -> the precision this machine runs fast -> every prompt's token ids. :func:`prepare` runs it and
+makes bad input fail cheaply: the config's ranges -> the reward functions (loaded where they run) -> the data (and
+the functions' parameters against its columns) -> the sampler's package and the device -> the model's folder -> the
+precision this machine runs fast -> every prompt's token ids. :func:`prepare` runs it and
 returns a :class:`Run`; nothing here loads the model's weights.
 
 The pieces the loop builds from a config (the learner's and the loss's settings, the sampler, the tracker) are here
@@ -20,9 +21,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fgrpo.algorithm.advantage_settings import AdvantageSettings
+from fgrpo.algorithm.advantage_registry import GAMMA_KEY, AdvantageSettings
 from fgrpo.algorithm.losses import LossSettings
-from fgrpo.config import learning_rate, to_container, validate, validate_layout
+from fgrpo.config import learning_rate, to_container
 from fgrpo.evaluation.rare_set import RareSet, check_vocabulary, load_rare_set
 from fgrpo.infra import distributed
 from fgrpo.infra.checkpoint import Resumed
@@ -38,9 +39,11 @@ from fgrpo.learner.gpu_memory import fit_learner_to_gpus
 from fgrpo.learner.learner import LearnerSettings
 from fgrpo.learner.lora import lora_settings_of
 from fgrpo.learner.model import load_tokenizer, resolve_model_folder
-from fgrpo.rollout.data import Problem, arithmetic_problems, build_prompt, load_problems
+from fgrpo.rewards.entries import reward_entries
+from fgrpo.rewards.scoring import Scorer
+from fgrpo.rollout.data import Problem, RowFormat, arithmetic_problems, generated_problems, load_problems, with_prompts
 from fgrpo.rollout.samplers import HFSampler, Sampler, VLLMSampler, check_vllm_dtype, require_vllm
-from fgrpo.rollout.verifier import make_verifier
+from fgrpo.validation import advantage_method_of, validate, validate_layout
 
 log = logging.getLogger("fgrpo")
 
@@ -51,11 +54,11 @@ EVAL_SEED_OFFSET = 1_000_003
 
 @dataclass
 class Run:
-    """What :func:`prepare` checked and loaded before the model: the data, the verifier, the model's folder and
-    tokenizer, every prompt's token ids, and the precision settled for this machine."""
+    """What :func:`prepare` checked and loaded before the model: the data, the reward functions (:class:`Scorer`), the
+    model's folder and tokenizer, every prompt's token ids, and the precision settled for this machine."""
 
     data: Data
-    verifier: object
+    scorer: Scorer
     folder: Path
     tokenizer: object
     prompt_ids: dict[str, list[int]]
@@ -73,7 +76,7 @@ def prepare(cfg: DictConfig, ranks: Ranks = SINGLE, *, saved_config: Path | None
     ``saved_config``: the run's ``.hydra/config.yaml``, rewritten with the settled precision.
     Several ranks: each checks, and if any fails all raise the first failure (distributed.agree), so rank 0 can say
     why and no rank is left waiting in a collective."""
-    data, verifier = distributed.agree(lambda: check_inputs(cfg, ranks.world, training=training, check_data=check_data))
+    data, scorer = distributed.agree(lambda: check_inputs(cfg, ranks.world, training=training, check_data=check_data))
     folder = distributed.agree(lambda: _weights_folder(cfg, ranks.world, training, model_folder))
     hw = cfg.hardware
     # the layout settled from rank 0's card for all: ranks that ran different micro-batch counts would hang
@@ -92,9 +95,12 @@ def prepare(cfg: DictConfig, ranks: Ranks = SINGLE, *, saved_config: Path | None
         torch.set_num_threads(hw.threads or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     precision = settle_hardware(cfg, saved_config, ranks)
     tokenizer, prompt_ids = distributed.agree(lambda: encode_prompts(cfg, folder, data))
+    # batch reward functions (TRL's) get the prompts and completions in chat form where a chat template built them
+    scorer.conversational = uses_chat_template(tokenizer, cfg.model)
+    scorer.system_prompt = cfg.model.system_prompt
     rare_set = (distributed.agree(lambda: _checked_rare_set(cfg.eval.rare_set, len(tokenizer)))
                 if training and cfg.eval.rare_set else None)
-    return Run(data, verifier, folder, tokenizer, prompt_ids, precision, rare_set)
+    return Run(data, scorer, folder, tokenizer, prompt_ids, precision, rare_set)
 
 
 def _weights_folder(cfg: DictConfig, world: int, training: bool, model_folder: Callable[[], Path] | None) -> Path:
@@ -115,19 +121,27 @@ def _checked_rare_set(path: str, vocab_size: int) -> RareSet:
 
 
 def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
-                 check_data: Callable[[Data], None] | None = None) -> tuple[Data, object]:
-    """The config's ranges (and, training, its fit to ``world`` processes), the data files, the verifier, the sampler's
-    package and the device (and, training, the compiler of compiled layers)."""
+                 check_data: Callable[[Data], None] | None = None) -> tuple[Data, Scorer]:
+    """The config's ranges (and, training, its fit to ``world`` processes), the reward functions (loaded where they
+    run), the data and the functions' parameters against its columns, the sampler's package and the device (and,
+    training, the compiler of compiled layers)."""
     validate(cfg)
     check_deterministic_settings(cfg)
     if training:
         validate_layout(cfg, world)
         warn_if_same_as_grpo(cfg)
-    data = load_data(cfg.dataset)
-    if check_data is not None:
-        check_data(data)
-    verifier = make_verifier(cfg.dataset.verifier, timeout_s=cfg.dataset.verifier_timeout_s,
-                             workers=cfg.dataset.verifier_workers)
+    scorer = Scorer(reward_entries(cfg.dataset.rewards), workers=cfg.dataset.reward_workers,
+                    timeout_s=cfg.dataset.reward_timeout_s)
+    try:
+        scorer.describe()
+        # a row needs a reference answer only where a reward function takes one
+        data = load_data(cfg.dataset, instruction=cfg.model.instruction, require_answer=bool(scorer.needs_answer()))
+        scorer.check_columns(data.columns())
+        if check_data is not None:
+            check_data(data)
+    except BaseException:
+        scorer.close()
+        raise
     hw = cfg.hardware
     if cfg.sampler.name == "vllm":
         require_vllm()
@@ -137,7 +151,7 @@ def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
         require_cpp_compiler()
     if training and hw.attention == "flex":
         require_flex(hw.device)
-    return data, verifier
+    return data, scorer
 
 
 
@@ -165,7 +179,7 @@ def encode_prompts(cfg: DictConfig, folder: Path, data: Data) -> tuple[object, d
     """The tokenizer and every prompt's token ids, each checked to leave room for a completion."""
     tokenizer = load_tokenizer(folder)
     problems = data.train + [p for eval_set in data.eval.values() for p in eval_set]
-    prompt_ids = {p.id: encode_prompt(tokenizer, cfg.model, p.question) for p in problems}
+    prompt_ids = {p.id: encode_prompt(tokenizer, cfg.model, p) for p in problems}
     too_long = [pid for pid, ids in prompt_ids.items() if len(ids) + cfg.sampler.max_new_tokens > cfg.sampler.max_model_len]
     if too_long:
         raise ConfigError(
@@ -175,15 +189,20 @@ def encode_prompts(cfg: DictConfig, folder: Path, data: Data) -> tuple[object, d
     return tokenizer, prompt_ids
 
 
-def encode_prompt(tokenizer, model_cfg, question: str) -> list[int]:
-    """Token ids of one prompt, through the model's chat template unless ``chat_template: plain``."""
-    text = build_prompt(question, instruction=model_cfg.instruction)
-    if model_cfg.chat_template == "plain" or tokenizer.chat_template is None:
-        prefix = f"{model_cfg.system_prompt}\n\n" if model_cfg.system_prompt else ""
-        return tokenizer(prefix + text, add_special_tokens=True)["input_ids"]
-    messages = [{"role": "user", "content": text}]
-    if model_cfg.system_prompt:
+def uses_chat_template(tokenizer, model_cfg) -> bool:
+    """Whether prompts go through the tokenizer's chat template (``model.chat_template: auto`` and it has one)."""
+    return model_cfg.chat_template != "plain" and tokenizer.chat_template is not None
+
+
+def encode_prompt(tokenizer, model_cfg, problem: Problem) -> list[int]:
+    """Token ids of one problem's prompt (its user message, or its chat messages), through the model's chat template
+    unless ``chat_template: plain`` (then the messages' contents, one per paragraph)."""
+    prompt = with_prompts([problem], model_cfg.instruction)[0].prompt
+    messages = list(prompt) if isinstance(prompt, tuple) else [{"role": "user", "content": prompt}]
+    if model_cfg.system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": model_cfg.system_prompt})
+    if not uses_chat_template(tokenizer, model_cfg):
+        return tokenizer("\n\n".join(m["content"] for m in messages), add_special_tokens=True)["input_ids"]
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
@@ -193,13 +212,25 @@ class Data:
     train: list[Problem]
     eval: dict[str, list[Problem]]  # dataset name -> held-out problems
 
+    def columns(self) -> set[str]:
+        """The columns every problem's row has (what a reward function's parameter may name)."""
+        problems = self.train + [p for problems in self.eval.values() for p in problems]
+        return set.intersection(*(set(p.fields) for p in problems)) if problems else set()
 
-def load_data(dataset_cfg) -> Data:
-    """Read (or generate) every problem up front, so a bad file fails before the model loads."""
+
+def load_data(dataset_cfg, *, instruction: str = "", require_answer: bool = True) -> Data:
+    """Read (or generate) every problem up front, so a bad file fails before the model loads; each prompt settled
+    (``instruction``: ``model.instruction``)."""
+    fmt = RowFormat(messages_field=dataset_cfg.messages_field, prompt_template=dataset_cfg.prompt_template,
+                    instruction=instruction, require_answer=require_answer)
     if dataset_cfg.kind == "arithmetic":
         a = dataset_cfg.arithmetic
         train, held_out = arithmetic_problems(ops=tuple(a.ops), max_operand=a.max_operand, seed=a.seed, n_eval=a.n_eval)
-        return Data(train=train, eval={dataset_cfg.name: held_out})
+        return Data(train=with_prompts(train, instruction), eval={dataset_cfg.name: with_prompts(held_out, instruction)})
+    if dataset_cfg.kind == "generator":
+        train, held_out = generated_problems(dataset_cfg.generator, dataset_cfg.generator_args, name=dataset_cfg.name,
+                                             n_eval=dataset_cfg.generator_n_eval, fmt=fmt)
+        return Data(train=with_prompts(train, instruction), eval={dataset_cfg.name: with_prompts(held_out, instruction)})
     if dataset_cfg.train is None or not dataset_cfg.eval:
         raise ConfigError(f"dataset={dataset_cfg.name}: a 'sources' dataset needs dataset.train and a dataset.eval list")
 
@@ -209,9 +240,12 @@ def load_data(dataset_cfg) -> Data:
         return load_problems(
             name=source.name, kind=source.kind, path=source.path, split=source.split, subset=source.subset,
             question_field=source.question_field, answer_field=source.answer_field, limit=source.limit,
+            messages_field=fmt.messages_field, prompt_template=fmt.prompt_template, instruction=instruction,
+            require_answer=require_answer,
         )
 
-    return Data(train=read(dataset_cfg.train), eval={source.name: read(source) for source in dataset_cfg.eval})
+    return Data(train=with_prompts(read(dataset_cfg.train), instruction),
+                eval={source.name: with_prompts(read(source), instruction) for source in dataset_cfg.eval})
 
 
 def settle_hardware(cfg: DictConfig, saved_config: Path | None = None, ranks: Ranks = SINGLE):
@@ -255,8 +289,11 @@ def learner_settings(cfg: DictConfig) -> LearnerSettings:
 
 
 def advantage_settings(cfg: DictConfig) -> AdvantageSettings:
-    adv = cfg.advantage
-    return AdvantageSettings(method=adv.name, gamma=cfg.focal.gamma, lam=adv.lam, beta=adv.beta, k=adv.k)
+    """The advantage method and the values of the parameters it declares (``focal.gamma`` where it takes gamma)."""
+    method = advantage_method_of(cfg.advantage.name)
+    params = {name: cfg.focal.gamma if method.key(name) == GAMMA_KEY else cfg.advantage.get(name, param.default)
+              for name, param in method.params.items()}
+    return AdvantageSettings(cfg.advantage.name, **params)
 
 
 def loss_settings(algo: DictConfig) -> LossSettings:

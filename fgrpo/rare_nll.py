@@ -33,11 +33,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-# the modules that import torch are imported inside the functions: the verifier's worker processes start by
-# re-importing this module (multiprocessing's spawn, under `python -m fgrpo.rare_nll`), and each would load torch
+# the modules that import torch are imported inside the functions: the reward pool's workers start by re-importing
+# this module (multiprocessing's spawn, under `python -m fgrpo.rare_nll`), and each would load torch
 from fgrpo.config import register_configs
 from fgrpo.infra.errors import BAD_INPUT
-from fgrpo.rollout.verifier import close_verifier
 
 if TYPE_CHECKING:
     from fgrpo.evaluation.rare_set import RareSet
@@ -65,7 +64,7 @@ def build(cfg, out_dir: Path, *, prompts: int, samples: int, fraction: float, ch
                              f"{cfg.dataset.name}: pass --prompts {len(data.train)} or fewer")
 
     run = prepare(cfg, training=False, check_data=enough_prompts)
-    verifier, folder, tokenizer, prompt_ids = run.verifier, run.folder, run.tokenizer, run.prompt_ids
+    folder, tokenizer, prompt_ids = run.folder, run.tokenizer, run.prompt_ids
     order = np.random.default_rng(cfg.seed).permutation(len(run.data.train))[:prompts]
     problems = [run.data.train[i] for i in order]
     policy = load_policy(folder, dtype=cfg.hardware.learner_dtype, device=cfg.hardware.device)
@@ -76,7 +75,7 @@ def build(cfg, out_dir: Path, *, prompts: int, samples: int, fraction: float, ch
         seeds = prompt_seeds(cfg.seed + 17, len(problems))
         for begin in tqdm(range(0, len(problems), chunk_prompts), desc="sampling the base model", unit="chunk"):
             chunk = problems[begin:begin + chunk_prompts]
-            groups = sample_groups(sampler, chunk, prompt_ids, verifier, group_size=samples,
+            groups = sample_groups(sampler, chunk, prompt_ids, run.scorer, group_size=samples,
                                    max_new_tokens=cfg.sampler.max_new_tokens, temperature=1.0, top_p=1.0,
                                    seed=seeds[begin:begin + chunk_prompts])
             for problem, group, correct in zip(chunk, groups.completions, groups.correct):
@@ -86,7 +85,7 @@ def build(cfg, out_dir: Path, *, prompts: int, samples: int, fraction: float, ch
                         seqs.append(Sequence(prompt_ids[problem.id], completion.token_ids))
                         texts.append(completion.text)
     finally:
-        close_verifier(verifier)
+        run.scorer.close()
         sampler.close()
     if not seqs:
         raise ValueError(f"none of the {prompts} x {samples} base samples was correct: nothing to build a rare set "

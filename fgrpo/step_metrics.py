@@ -18,27 +18,31 @@ from fgrpo.rollout.rollouts import Groups
 class StepOutcomes:
     """What a step's metrics are computed from, small enough to gather from every rank each step."""
 
-    correct: torch.Tensor  # [P, G] the verifier's verdicts
+    correct: torch.Tensor  # [P, G] the verdicts
     rewards: torch.Tensor  # [P, G] after shaping
     advantages: torch.Tensor  # [P, G] focal-weighted
     lengths: list[int]  # each completion's tokens
     truncated: list[bool]  # each completion stopped by max_new_tokens
     learner_tokens: int  # prompt and completion tokens of the learner's sequences
+    reward_values: dict[str, torch.Tensor]  # name -> [P, G] each reward function's value (NaN: none)
 
     @classmethod
     def of(cls, groups: Groups, rewards: torch.Tensor, advantages: torch.Tensor, seqs) -> StepOutcomes:
         completions = [c for group in groups.completions for c in group]
         return cls(groups.correct, rewards, advantages, [len(c.token_ids) for c in completions],
-                   [c.truncated for c in completions], sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs))
+                   [c.truncated for c in completions], sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs),
+                   groups.values)
 
     def gathered(self) -> StepOutcomes:
         """The whole run's outcomes: every rank's, in rank order (this rank's own with one process)."""
         parts = distributed.gather_objects(self)
         if len(parts) == 1:
             return self
+        names = sorted(set().union(*(p.reward_values for p in parts)))
+        values = {name: torch.cat([p.reward_values[name] for p in parts if name in p.reward_values]) for name in names}
         return StepOutcomes(*(torch.cat([getattr(p, key) for p in parts]) for key in ("correct", "rewards", "advantages")),
                             sum((p.lengths for p in parts), []), sum((p.truncated for p in parts), []),
-                            sum(p.learner_tokens for p in parts))
+                            sum(p.learner_tokens for p in parts), values)
 
 
 def step_metrics(outcomes: StepOutcomes, learned: dict[str, float], timings: dict[str, float], gamma: float, lr: float,
@@ -51,6 +55,7 @@ def step_metrics(outcomes: StepOutcomes, learned: dict[str, float], timings: dic
     work = {key: learned.pop(key) for key in ("padding_frac", "computed_tokens", "matmuls_kept_frac")}
     return {
         **{f"train/{key}": value for key, value in learned.items()},
+        **reward_means(outcomes.reward_values, "train/reward"),
         "train/reward_mean": float(rewards.mean()),
         "train/correct_mean": float(correct.mean()),
         "train/frac_all_correct": float((rates == 1).float().mean()),
@@ -82,3 +87,13 @@ def step_metrics(outcomes: StepOutcomes, learned: dict[str, float], timings: dic
         "perf/learner_matmuls_kept_frac": work["matmuls_kept_frac"],
         "perf/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
+
+
+def reward_means(values: dict[str, torch.Tensor], prefix: str) -> dict[str, float]:
+    """``<prefix>/<name>``: each reward function's mean over the samples it scored (its extras' too: ``name/key``)."""
+    means = {}
+    for name, table in values.items():
+        scored = table[~torch.isnan(table)]
+        if scored.numel():
+            means[f"{prefix}/{name}"] = float(scored.mean())
+    return means

@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from fgrpo.algorithm.advantage_methods import compute_advantages
-from fgrpo.algorithm.advantage_settings import method_label
+from fgrpo.algorithm.advantage_registry import compute_advantages, method_label
 from fgrpo.checkpointing import Checkpoints, EvalHistory, plan_resume
 from fgrpo.evaluation.held_out import append_counts, evaluate
 from fgrpo.evaluation.plots import plot_pass_at_k
@@ -34,8 +33,8 @@ from fgrpo.infra.tracking import NoTracker, Tracker
 from fgrpo.learner.learner import Learner
 from fgrpo.prepare import (EVAL_SEED_OFFSET, Run, advantage_settings, learner_settings, loss_settings, make_sampler,
                            make_tracker, prepare)
+from fgrpo.validation import advantage_method_of
 from fgrpo.rollout.rollouts import ProblemStream, collect_groups, learner_sequences, overlong_penalties, sample_groups
-from fgrpo.rollout.verifier import close_verifier
 from fgrpo.step_metrics import StepOutcomes, step_metrics
 
 log = logging.getLogger("fgrpo")
@@ -91,7 +90,7 @@ def train(
             final = finish(cfg, run_dir, tracker, learner, run.tokenizer, history, ranks)
     if stopped_at is not None:
         exit_code, failure = signals.hand_over(stopped_at, run_dir)
-    close_verifier(run.verifier)
+    run.scorer.close()
     sampler.close()  # vLLM's shutdown takes the process group down with it: last
     distributed.close()
     if stopped_at is not None:
@@ -109,25 +108,27 @@ def learn_step(cfg: DictConfig, step: int, run: Run, sampler, learner: Learner, 
     step_start = time.perf_counter()
 
     def draw(problems, seeds):
-        return sample_groups(sampler, problems, run.prompt_ids, run.verifier, group_size=algo.group_size,
+        return sample_groups(sampler, problems, run.prompt_ids, run.scorer, group_size=algo.group_size,
                              max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                              top_p=sampling.top_p, seed=seeds)
 
     groups = collect_groups(draw, stream, cfg.trainer.prompts_per_step, seed=cfg.seed * 100_003 + step,
                             dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.max_sampling_rounds, ranks=ranks)
     timings = {"sample": time.perf_counter() - step_start - groups.verify_time_s, "verify": groups.verify_time_s}
-    metrics = {}
+    skipped, errors = distributed.sum_over_ranks([groups.skipped_prompts, groups.reward_errors])
+    metrics = {"train/skipped_prompts": skipped, "train/reward_errors": errors}
     if distributed.sum_over_ranks([len(groups)])[0]:  # every rank updates, with groups of its own or none
-        rewards = groups.correct.clone()
+        rewards = groups.rewards.clone()  # the weighted sum of the reward functions (fgrpo.rewards)
         if algo.overlong_shaping:
             rewards += overlong_penalties(groups, sampling.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
-        # F-GRPO (advantage=focal): mu_hat = the group's success rate (Eq. 11, from correctness), g = (1 - mu_hat)^gamma
+        # F-GRPO (advantage=focal): mu_hat = the group's success rate (Eq. 11, from the verdicts), g = (1 - mu_hat)^gamma
         # (Eq. 12), A^F = g * A with A the group-normalised advantage (Eqs. 3, 13); gamma = 0: the baseline.
         # The other methods (advantage=maxrl, ...): fgrpo.algorithm.advantage_methods
-        # a step-wide statistic (advantage=mean_focal) reads every rank's verdicts: all ranks gather, groups or none
+        settings = advantage_settings(cfg)
+        # a method declared needs_step (mean_focal) reads every rank's verdicts: all ranks gather, groups or none
         step_correct = (torch.cat([c for c in distributed.gather_objects(groups.correct) if c.numel()])
-                        if cfg.advantage.name == "mean_focal" else None)
-        advantages = compute_advantages(rewards, groups.correct, advantage_settings(cfg), groups.mean_logprobs(),
+                        if advantage_method_of(settings.method).needs_step else None)
+        advantages = compute_advantages(rewards, groups.correct, settings, groups.mean_logprobs(),
                                         step_correct) if len(groups) else rewards
         seqs = learner_sequences(groups, advantages, run.prompt_ids)
         sampler.release_memory()  # on CPU, vLLM's KV cache and packed weights: dead until the push below
@@ -137,9 +138,10 @@ def learn_step(cfg: DictConfig, step: int, run: Run, sampler, learner: Learner, 
         with _timed(timings, "sync"):
             learner.push_weights(sampler)
         outcomes = StepOutcomes.of(groups, rewards, advantages, seqs).gathered()
-        metrics = step_metrics(outcomes, learned, timings, cfg.focal.gamma, learner.lr, ranks.world)
+        metrics.update(step_metrics(outcomes, learned, timings, cfg.focal.gamma, learner.lr, ranks.world))
     else:
-        log.warning("step %d: dynamic sampling found no mixed group; skipping the update", step)
+        log.warning("step %d: no group to learn from (dynamic sampling found no mixed one, or the reward functions "
+                    "skipped every prompt); skipping the update", step)
     metrics["perf/step_time_s"] = time.perf_counter() - step_start
     return metrics
 
@@ -149,7 +151,7 @@ def evaluate_policy(cfg: DictConfig, step: int, run: Run, sampler, learner: Lear
     """pass@k metrics and curve of the policy after ``step``; its per-problem counts go to eval_counts.jsonl."""
     sampling = cfg.sampler
     metrics, curve, count_rows = evaluate(
-        sampler, run.data.eval, run.prompt_ids, run.verifier, n_samples=cfg.eval.n_samples,
+        sampler, run.data.eval, run.prompt_ids, run.scorer, n_samples=cfg.eval.n_samples,
         max_problems=cfg.eval.max_problems, max_new_tokens=sampling.max_new_tokens,
         temperature=sampling.temperature, top_p=sampling.top_p, seed=cfg.seed + EVAL_SEED_OFFSET, ranks=ranks)
     if ranks.main:
@@ -189,7 +191,8 @@ def finish(cfg: DictConfig, run_dir: Path, tracker: Tracker | NoTracker, learner
     (rank 0 writes; every rank takes part in gathering sharded weights)."""
     final = {k: v for k, v in history.last.items() if not k.endswith(("_ci_low", "_ci_high"))}
     plot_path = run_dir / PASS_AT_K_PLOT
-    title = f"{cfg.model.name} | {cfg.algo.name} {method_label(advantage_settings(cfg))} | {cfg.dataset.name}"
+    settings = advantage_settings(cfg)
+    title = f"{cfg.model.name} | {cfg.algo.name} {method_label(settings.method, settings.params)} | {cfg.dataset.name}"
     if ranks.main:
         plot_pass_at_k(history.curves, plot_path, title=title)
         tracker.log_image("eval/pass_at_k_curve", plot_path, step=cfg.trainer.steps)

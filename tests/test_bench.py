@@ -135,14 +135,15 @@ def test_checkpoint_io_prints_size_and_times(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing left behind
 
 
-def test_verifier_pool_prints_answers_per_second():
-    command = [sys.executable, str(REPO / "bench" / "verifier_pool.py"), "--answers", "12", "--repeats", "1",
+def test_reward_pool_prints_answers_per_second():
+    command = [sys.executable, str(REPO / "bench" / "reward_pool.py"), "--answers", "12", "--repeats", "1",
                "--workers", "2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
-    assert lines[-2].startswith("math verifier, 1 (in-process): ") and " answers/s" in lines[-2]
-    assert lines[-1].startswith("math verifier, 2 workers: ") and "0 deaths, 0 stuck" in lines[-1]
+    assert lines[-2].startswith("math check, 1 (in-process): ") and " answers/s" in lines[-2]
+    assert lines[-1].startswith("math check, 2 workers: ") and "0 deaths, 0 stuck" in lines[-1]
+    assert "a user's function: " in lines[-1] and lines[-1].endswith(" samples/s")
 
 
 def load_bench_script(name: str):

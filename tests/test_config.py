@@ -4,7 +4,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from fgrpo.config import validate
+from fgrpo.validation import validate
 
 from fgrpo.infra.errors import ConfigError
 
@@ -92,9 +92,10 @@ def test_unknown_group_option_lists_choices(compose):
         ("hardware.learner_dtype=auto", "hardware.learner_dtype='auto': must be one of ('float32', 'bfloat16', 'float16')"),
         ("advantage.name=grpo_passk", "advantage.name='grpo_passk': must be one of ('focal', 'mean_focal', 'dr_grpo', "
                                       "'maxrl', 'unlikeliness', 'w_reinforce', 'passk') (advantage=<name>)"),
-        ("advantage=passk advantage.k=9", "advantage.k=9: must be between 1 and algo.group_size=8"),
-        ("advantage.lam=0", "advantage.lam=0.0: must be > 0"),
-        ("advantage.beta=1.5", "advantage.beta=1.5: must be in .0, 1. .the unlikeliness penalty"),
+        ("advantage=passk advantage.k=9", "advantage.k=9: must be in .1, algo.group_size=8. (the k of the pass@k"),
+        ("advantage=w_reinforce advantage.lam=0", "advantage.lam=0.0: must be > 0.0 (W-REINFORCE's weight"),
+        ("advantage=unlikeliness advantage.beta=1.5", "advantage.beta=1.5: must be in .0.0, 1.0. (the unlikeliness "
+                                                     "penalty"),
     ],
 )
 def test_range_checks_name_key_and_value(compose, override, message):
@@ -144,7 +145,7 @@ def test_an_advantage_method_with_what_it_cannot_combine_with_is_refused(compose
     validate(compose("advantage=focal", "focal=fgrpo", "algo=cispo"))
     validate(compose("algo.group_size=2"))  # advantage.k=4 is passk's alone
     # the step-size control scales GRPO by the focal weight's step mean: at gamma 0 it would be GRPO itself
-    with pytest.raises(ConfigError, match="focal.gamma=0.0: with advantage=mean_focal must be > 0"):
+    with pytest.raises(ConfigError, match="focal.gamma=0.0: must be > 0.0 .with advantage=mean_focal"):
         validate(compose("advantage=mean_focal", "focal.gamma=0"))
     assert compose("advantage=mean_focal").focal.gamma == 1.0  # F-GRPO's gamma unless the command line says
     validate(compose("advantage=mean_focal", "focal.gamma=0.5"))

@@ -238,7 +238,7 @@ def test_missing_dataset_file_and_row_without_answer(tmp_path):
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?"}\n')
     stderr = run_bad(tmp_path / "b", "dataset=local", f"dataset.train.path={broken}", f"dataset.eval.0.path={broken}")
-    assert str(broken) in stderr and "row 1" in stderr and "answer" in stderr
+    assert str(broken) in stderr and "row 2 (counting from 1)" in stderr and "answer" in stderr
 
 
 def test_hub_model_without_network_says_pass_a_local_path(tmp_path):
@@ -304,7 +304,7 @@ def test_dapo_options_run_and_skip_steps_without_mixed_groups(tmp_path):
                      "algo.max_sampling_rounds=2", "algo.overlong_shaping=true", "algo.overlong_buffer=4",
                      "logger=none", EAGER)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "dynamic sampling found no mixed group" in (tmp_path / "run.log").read_text()
+    assert "dynamic sampling found no mixed one" in (tmp_path / "run.log").read_text()
     rows = read_metrics(tmp_path / "metrics.jsonl")
     steps = [r for r in rows if r.get("step", 0) > 0 and "perf/step_time_s" in r]
     assert len(steps) == 2 and all("train/loss" not in r for r in steps)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fgrpo.config import smallest_kept_lr, validate, validate_layout
+from fgrpo.validation import smallest_kept_lr, validate, validate_layout
 
 from fgrpo.infra.errors import ConfigError
 from fgrpo.learner.gpu_memory import GIB, fit_learner_to_gpus, learner_memory, model_shape

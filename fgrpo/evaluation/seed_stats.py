@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 from scipy import stats
 
-from fgrpo.algorithm.advantage_settings import REFERENCE
+from fgrpo.algorithm.advantage_registry import REFERENCE
 from fgrpo.evaluation.eval_counts import load_counts
 from fgrpo.evaluation.significance import pass_at_k_table
 from fgrpo.evaluation.sweep_runs import FREE_KEYS, Cell, ReportError, Run, reference_cell
@@ -184,7 +184,8 @@ def variance_split(cells: Sequence[np.ndarray], n: int, k: int) -> VarianceSplit
 # ---------------------------------------------------------------- from the runs of a sweep
 
 CellKey = tuple[Cell, tuple[str, ...]]  # a table cell and the other config values that tell its runs apart
-_NOT_EVAL_KEYS = ("dataset.train", "dataset.verifier")  # dataset.* keys that do not change what is evaluated
+# dataset.* keys that do not change what is evaluated
+_NOT_EVAL_KEYS = ("dataset.train", "dataset.verifier", "dataset.reward_workers")
 
 
 def check_same_eval_settings(runs: list[Run]) -> None:

@@ -16,7 +16,7 @@ from fgrpo.evaluation.eval_counts import EvalCounts, aligned_counts, load_counts
 from fgrpo.evaluation.plots import plot_pass_at_k_panels
 from fgrpo.evaluation.significance import (AVERAGE, DEFAULT_ALPHA, PERMUTATION_SPLITS, paired_test,
                                            permutation_test, p_value_text)
-from fgrpo.algorithm.advantage_settings import REFERENCE
+from fgrpo.algorithm.advantage_registry import REFERENCE
 from fgrpo.evaluation.sweep_runs import (ReportError, Run, Cell, completed_cells, largest_final_k, pass_at_ks,
                                        reference_cell)
 from fgrpo.infra.errors import CompareError

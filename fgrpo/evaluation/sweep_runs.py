@@ -9,7 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fgrpo.algorithm.advantage_settings import REFERENCE, AdvantageSettings, method_label
+from fgrpo.algorithm.advantage_registry import REFERENCE, methods, method_label
 from fgrpo.infra.run_files import read_metrics
 
 # keys that identify a table cell (with the advantage.* keys) or may differ between runs of one sweep
@@ -49,9 +49,13 @@ class Run:
         """The advantage method with its parameter (``focal``, ``maxrl``, ``passk k=4``, ...); runs saved before the
         ``advantage`` option had focal."""
         name = self.config.get("advantage.name", REFERENCE)
-        defaults = AdvantageSettings(name)
-        params = {key: self.config.get(f"advantage.{key}", getattr(defaults, key)) for key in ("lam", "beta", "k")}
-        return method_label(AdvantageSettings(name, **params), with_gamma=False)
+        declared = methods().get(name)
+        if declared is None:  # a user's method, by import path: every parameter it was given
+            params = {key.split(".", 1)[1]: value for key, value in self.config.items()
+                      if key.startswith("advantage.") and key != "advantage.name"}
+        else:
+            params = {key: self.config.get(declared.key(key), param.default) for key, param in declared.params.items()}
+        return method_label(name, params, with_gamma=False)
 
     @property
     def final(self) -> dict:

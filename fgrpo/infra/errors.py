@@ -27,5 +27,10 @@ class CompareError(ValueError):
     """Two evaluations cannot be compared, or one cannot be read; the message says why and what to do."""
 
 
+class RewardError(RuntimeError):
+    """A user's reward function failed on every sample of its first batch (the message carries its traceback): a bug
+    to fix before a run can learn anything, not a fault to count."""
+
+
 # the one list every entry point catches (and the sweeper shows without a traceback)
-BAD_INPUT = (ConfigError, DataError, ModelSourceError, SamplerUnavailable, CheckpointError, CompareError)
+BAD_INPUT = (ConfigError, DataError, ModelSourceError, SamplerUnavailable, CheckpointError, CompareError, RewardError)

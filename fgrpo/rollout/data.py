@@ -1,23 +1,27 @@
-"""Problems to train and evaluate on: generated arithmetic, local files, or Hugging Face hub datasets.
+"""Problems to train and evaluate on: generated arithmetic, a user's generator (by import path), local files, or
+Hugging Face hub datasets.
 
 The runner calls :func:`load_problems` before any model loads, so a wrong path, a missing field or
 an unreachable hub fails in seconds with a message that says what to change. ``datasets`` is
-imported inside the loaders only, so ``import fgrpo.rollout.data`` stays cheap.
+imported inside the loaders only, so ``import fgrpo.rollout.data`` stays cheap. How a row becomes a problem (fields,
+dotted paths, prompt templates, chat messages): :mod:`fgrpo.rollout.rows`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import numbers
 import operator
 import os
 import random
-from dataclasses import dataclass
-from decimal import Decimal
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from fgrpo.infra.errors import DataError
+from typing import Any, Mapping
+
+from fgrpo.infra.errors import ConfigError, DataError
 from fgrpo.infra.hub import HUB_PROBE_TIMEOUT_S, datasets_offline, hub_reachable, offline_env_var
+from fgrpo.rollout.rows import (MISSING, answer_text, chat_messages, field_value, question_text, render_template,
+                                template_fields)
 
 __all__ = [
     "DataError",
@@ -27,24 +31,45 @@ __all__ = [
     "FILE_FORMATS",
     "arithmetic_problems",
     "load_problems",
+    "rows_to_problems",
+    "generated_problems",
+    "RowFormat",
     "build_prompt",
+    "with_prompts",
 ]
-
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One question with its reference answer."""
+    """One prompt with its reference answer (if any) and its row's columns."""
 
-    id: str  # stable across runs: "arithmetic/3+4" or "<source name>/<row index>"
-    question: str
-    answer: str  # reference answer as text, as the verifier reads it
+    id: str  # stable across runs: "arithmetic/3+4" or "<source name>/<row index from 0>"
+    question: str  # the question (or the rendered prompt template; a chat's last user message)
+    answer: str | None  # reference answer as text, as the reward functions read it; None where the row has none
     source: str  # dataset name, to group eval metrics
+    # the user message as sent (the question and model.instruction, the rendered template) or the row's chat
+    # messages; None: not yet settled (with_prompts adds model.instruction to the question)
+    prompt: str | tuple[dict[str, str], ...] | None = None
+    fields: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # every column of the row
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How a source's rows become problems: the question's and the answer's fields (names or dotted paths), a column
+    of chat messages or a prompt template (then the question is not needed), and whether every row needs an
+    answer (the reward functions take one)."""
+
+    question_field: str = "question"
+    answer_field: str = "answer"
+    messages_field: str | None = None
+    prompt_template: str | None = None
+    instruction: str = ""  # model.instruction: after the question; in a template where it says {instruction}
+    require_answer: bool = True
 
 
 ARITHMETIC_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 LOADER_KINDS = ("file", "hub")
-DATASET_KINDS = ("arithmetic", "sources")  # dataset.kind: generated in-process, or loaded from files / the hub
+DATASET_KINDS = ("arithmetic", "sources", "generator")  # dataset.kind: arithmetic or a generator in-process; files / hub
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """File extension -> the ``datasets`` builder that reads it."""
 
@@ -91,6 +116,8 @@ def arithmetic_problems(
             question=f"What is {a} {op} {b}?",
             answer=str(ARITHMETIC_OPS[op](a, b)),
             source="arithmetic",
+            fields={"question": f"What is {a} {op} {b}?", "answer": str(ARITHMETIC_OPS[op](a, b)), "a": a, "op": op,
+                    "b": b},
         )
         for op in ops
         for a in operands
@@ -105,77 +132,105 @@ def arithmetic_problems(
     return problems[n_eval:], problems[:n_eval]
 
 
+# --- a user's generator ----------------------------------------------------------------------
+
+
+def generated_problems(spec: str, args: Mapping[str, Any], *, name: str, n_eval: int,
+                       fmt: RowFormat) -> tuple[list[Problem], list[Problem]]:
+    """The rows of a user's generator (``dataset.generator``: ``"file.py:function"``, called in this process with
+    ``dataset.generator_args`` bound by parameter name), split (train, eval): the first ``n_eval`` rows
+    (``dataset.generator_n_eval``) are held out.
+    Ids are ``<name>/train/<i>`` and ``<name>/<i>``; both splits have source ``name``.
+
+    Raises:
+        ConfigError: the function cannot be loaded, or its parameters and ``args`` do not match.
+        DataError: it raised, returned no list of dicts, or too few rows for ``n_eval``.
+    """
+    from fgrpo.infra.user_code import load_function
+    from fgrpo.rewards.binding import bind
+
+    fn = load_function(spec, "dataset.generator")
+    binding = bind(fn)
+    args = dict(args or {})
+    unknown = [key for key in args if key not in binding.params]
+    missing = [param for param in binding.params if param not in args and param not in binding.with_defaults]
+    problems = []
+    if unknown and not binding.takes_kwargs:
+        problems.append(f"dataset.generator_args has {unknown}, which it does not take")
+    if missing:
+        problems.append(f"no value for {missing}: set dataset.generator_args.{missing[0]}=...")
+    if binding.positional_only:
+        problems.append(f"its positional-only parameters {list(binding.positional_only)} cannot be given by name")
+    if problems:
+        raise ConfigError(f"dataset.generator={spec!r} takes ({', '.join(binding.params)}): " + "; ".join(problems))
+    try:
+        rows = list(fn(**args))
+    except Exception as error:  # noqa: BLE001 - the user's generator raised: say where
+        import traceback
+
+        text = "".join(traceback.format_exception(error)[-6:])
+        raise DataError(f"dataset.generator={spec!r} raised:\n{text}") from error
+    n_eval = _check_int("dataset.generator_n_eval", n_eval, minimum=1)
+    if len(rows) <= n_eval:
+        raise DataError(f"dataset.generator={spec!r} made {len(rows)} rows, which leaves none for training after "
+                        f"dataset.generator_n_eval={n_eval} held out: make more rows or lower dataset.generator_n_eval")
+    where = f"generator {spec}"
+    held_out = rows_to_problems(rows[:n_eval], where=where, name=name, fmt=fmt)
+    train = rows_to_problems(rows[n_eval:], where=where, name=name, fmt=fmt, id_prefix=f"{name}/train",
+                             rows_before=n_eval)
+    return train, held_out
+
+
 # --- files and hub datasets ------------------------------------------------------------------
 
 
-def _answer_text(value) -> str | None:
-    """A reference answer as text, or None when unusable (missing, empty, NaN, a mapping).
-
-    Whole floats lose their ".0" (JSON columns mixing 3 and 2.5 load 3 as 3.0), other floats are
-    written without exponent. A list of answers (OlympiadBench's ``final_answer``) becomes its
-    one item, or its items joined with ", ".
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, str):
-        return value.strip() or None
-    if isinstance(value, numbers.Integral):
-        return str(int(value))
-    if isinstance(value, numbers.Real):
-        value = float(value)
-        if not math.isfinite(value):
-            return None
-        if value.is_integer():
-            return str(int(value))
-        return format(Decimal(repr(value)), "f")
-    if isinstance(value, (list, tuple)):
-        items = [_answer_text(item) for item in value]
-        if not items or any(item is None for item in items):
-            return None
-        return ", ".join(items)
-    return None
-
-
-def _question_text(value) -> str | None:
-    if not isinstance(value, str):
-        return None
-    return value.strip() or None
-
-
-def _row_error(dataset, where: str, row_index: int, field: str, value, role: str) -> DataError:
+def _row_error(row: Mapping[str, Any], where: str, row_number: int, field_name: str, value, role: str) -> DataError:
     """The error for a row whose question or answer cannot be used, listing what the row has."""
-    row = dataset[row_index]
     present = [key for key, item in row.items() if item is not None and item != ""]
-    got = "missing or null" if field not in row or row[field] is None else f"got {value!r:.80}"
+    got = "missing or null" if value is MISSING or value is None else f"got {value!r:.80}"
     return DataError(
-        f"{where}: row {row_index} (0-based) has no usable {role} field '{field}' ({got}); "
-        f"the row has fields {present}. If the {role} is under another name, pass "
-        f"{role}_field=<name> (in a config: dataset.train.{role}_field=<name> or dataset.eval.<i>.{role}_field=<name>)"
+        f"{where}: row {row_number} (counting from 1) has no usable {role} field '{field_name}' ({got}); "
+        f"the row has fields {present}. If the {role} is under another name or nested, pass "
+        f"{role}_field=<name or dotted.path> (in a config: dataset.train.{role}_field=<name> or "
+        f"dataset.eval.<i>.{role}_field=<name>)"
     )
 
 
-def _rows_to_problems(
-    dataset, *, where: str, name: str, question_field: str, answer_field: str, limit: int | None
-) -> list[Problem]:
-    """Turn the first ``limit`` rows into Problems, checking every kept row's question and answer."""
-    n_rows = len(dataset) if limit is None else min(limit, len(dataset))
-    if n_rows == 0:
+def rows_to_problems(rows: list[Mapping[str, Any]], *, where: str, name: str, fmt: RowFormat,
+                     id_prefix: str | None = None, rows_before: int = 0) -> list[Problem]:
+    """One :class:`Problem` per row (id ``<id_prefix or name>/<row index from 0>``), every row checked; its prompt
+    the row's chat messages or the rendered template where ``fmt`` names them (else None: :func:`with_prompts` asks the
+    question with ``model.instruction``). ``rows_before``: rows of the same source before these (messages count a row
+    from the source's first)."""
+    if not rows:
         raise DataError(f"{where} has no rows")
-    kept = dataset.select(range(n_rows)) if n_rows < len(dataset) else dataset
-    columns = set(kept.column_names)
-    questions = kept[question_field] if question_field in columns else [None] * n_rows
-    answers = kept[answer_field] if answer_field in columns else [None] * n_rows
+    if fmt.prompt_template is not None:
+        template_fields(fmt.prompt_template)
     problems = []
-    for row_index, (raw_question, raw_answer) in enumerate(zip(questions, answers)):
-        question = _question_text(raw_question)
-        if question is None:
-            raise _row_error(kept, where, row_index, question_field, raw_question, "question")
-        answer = _answer_text(raw_answer)
-        if answer is None:
-            raise _row_error(kept, where, row_index, answer_field, raw_answer, "answer")
-        problems.append(Problem(id=f"{name}/{row_index}", question=question, answer=answer, source=name))
+    for index, row in enumerate(rows):
+        number = rows_before + index + 1
+        if not isinstance(row, Mapping):
+            raise DataError(f"{where}: row {number} (counting from 1) is a {type(row).__name__}, not a dict of "
+                            "columns")
+        if fmt.messages_field is not None:
+            prompt = chat_messages(field_value(row, fmt.messages_field), field=fmt.messages_field, where=where,
+                                   row_number=number)
+            question = next((m["content"] for m in reversed(prompt) if m["role"] == "user"), prompt[-1]["content"])
+        elif fmt.prompt_template is not None:
+            question = prompt = render_template(fmt.prompt_template, row, instruction=fmt.instruction, where=where,
+                                                row_number=number)
+        else:
+            raw_question = field_value(row, fmt.question_field)
+            question = question_text(raw_question)
+            if question is None:
+                raise _row_error(row, where, number, fmt.question_field, raw_question, "question")
+            prompt = None  # the question with model.instruction: with_prompts
+        raw_answer = field_value(row, fmt.answer_field)
+        answer = answer_text(raw_answer)
+        if answer is None and fmt.require_answer:
+            raise _row_error(row, where, number, fmt.answer_field, raw_answer, "answer")
+        problems.append(Problem(id=f"{id_prefix or name}/{index}", question=question, answer=answer, source=name,
+                                prompt=prompt, fields=dict(row)))
     return problems
 
 
@@ -259,6 +314,10 @@ def load_problems(
     answer_field: str = "answer",
     subset: str | None = None,
     limit: int | None = None,
+    messages_field: str | None = None,
+    prompt_template: str | None = None,
+    instruction: str = "",
+    require_answer: bool = True,
 ) -> list[Problem]:
     """Load one source of problems and check every kept row, before any model loads.
 
@@ -268,7 +327,10 @@ def load_problems(
             (a Hugging Face dataset id).
         path: the file path or the hub id.
         split: the hub split; a file is a single split, so ignored for files.
-        question_field, answer_field: the columns holding the question and the reference answer.
+        question_field, answer_field: the columns (or dotted paths into nested ones) holding the question and the
+            reference answer.
+        messages_field, prompt_template, instruction, require_answer: how each row's prompt is made and whether it
+            needs an answer (:class:`RowFormat`).
         subset: the hub dataset's configuration name, if it has several; ignored for files.
         limit: keep only the first ``limit`` rows (only those are checked).
 
@@ -286,9 +348,10 @@ def load_problems(
     if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
         example = "/path/to/train.jsonl" if kind == "file" else "HuggingFaceH4/MATH-500"
         raise DataError(f"dataset '{name}' (kind={kind!r}) needs path=, got {path!r}; e.g. path={example}")
-    for field_name, field in (("question_field", question_field), ("answer_field", answer_field)):
-        if not isinstance(field, str) or not field:
-            raise DataError(f"{field_name} must be a column name, got {field!r}")
+    for field_name, value in (("question_field", question_field), ("answer_field", answer_field)):
+        if not isinstance(value, str) or not value:
+            raise DataError(f"{field_name} must be a column name, got {value!r}")
+    fmt = RowFormat(question_field, answer_field, messages_field, prompt_template, instruction, require_answer)
 
     if kind == "file":
         dataset, resolved = _load_file(str(path))
@@ -296,11 +359,17 @@ def load_problems(
     else:
         dataset = _load_hub(str(path), subset, split)
         where = f"hub dataset '{path}'" + (f" subset '{subset}'" if subset else "") + f" split '{split}'"
-    return _rows_to_problems(
-        dataset, where=where, name=name, question_field=question_field, answer_field=answer_field, limit=limit
-    )
+    if limit is not None and limit < len(dataset):
+        dataset = dataset.select(range(limit))
+    return rows_to_problems(dataset.to_list(), where=where, name=name, fmt=fmt)
 
 
 def build_prompt(question: str, *, instruction: str) -> str:
     """The user message: the question, then the answer-format instruction (the chat template comes later)."""
     return f"{question} {instruction}".strip()
+
+
+def with_prompts(problems: list[Problem], instruction: str) -> list[Problem]:
+    """The problems with their prompts settled: a problem without one asks its question with ``instruction``."""
+    return [p if p.prompt is not None else replace(p, prompt=build_prompt(p.question, instruction=instruction))
+            for p in problems]

@@ -1,10 +1,12 @@
-"""What the loop learns from: problems in epoch order, groups of G sampled completions with their verified
-correctness, DAPO's dynamic sampling and overlong shaping, and the learner's sequences with their advantages."""
+"""What the loop learns from: problems in epoch order, groups of G sampled completions with their rewards and
+verdicts (the run's reward functions: fgrpo.rewards), prompts whose samples were skipped dropped, DAPO's dynamic
+sampling and overlong shaping, and the learner's sequences with their advantages."""
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -13,8 +15,9 @@ import torch
 from fgrpo.rollout.data import Problem
 from fgrpo.infra.distributed import SINGLE, Ranks, gather_objects, sum_over_ranks
 from fgrpo.learner.packing import Sequence
+from fgrpo.rewards.binding import sample_view
+from fgrpo.rewards.scoring import Scorer
 from fgrpo.rollout.samplers import Completion
-from fgrpo.rollout.verifier import verify_batch
 
 
 class ProblemStream:
@@ -50,23 +53,51 @@ class ProblemStream:
 
 @dataclass
 class Groups:
-    """P problems with G sampled completions each and the verifier's verdicts."""
+    """P problems with G sampled completions each, their rewards and the verdicts."""
 
     problems: list[Problem]
     completions: list[list[Completion]]  # [P][G]
-    correct: torch.Tensor  # [P, G] float, 1.0 where the verifier accepted the completion
-    verify_time_s: float = 0.0  # inside the verifier
+    correct: torch.Tensor  # [P, G] float, 1.0 where the verdict entry accepted the completion
+    rewards: torch.Tensor | None = None  # [P, G] the weighted sum of the reward functions (None: the verdicts)
+    values: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [P, G] each function's value, NaN: none
+    skipped: torch.Tensor | None = None  # [P] bool: a sample of the prompt got None from every reward function
+    reward_errors: int = 0  # samples whose reward call failed (scored 0)
+    skipped_prompts: int = 0  # prompts dropped from the step for a skipped sample (drop_skipped)
+    verify_time_s: float = 0.0  # inside the reward functions
+
+    def __post_init__(self) -> None:
+        if self.rewards is None:
+            self.rewards = self.correct.clone()
+        if self.skipped is None:
+            self.skipped = torch.zeros(len(self.problems), dtype=torch.bool)
 
     def __len__(self) -> int:
         return len(self.problems)
 
     def select(self, indices: list[int]) -> Groups:
         return Groups([self.problems[i] for i in indices], [self.completions[i] for i in indices],
-                      self.correct[indices], self.verify_time_s)
+                      self.correct[indices], self.rewards[indices],
+                      {name: values[indices] for name, values in self.values.items()}, self.skipped[indices],
+                      self.reward_errors, self.skipped_prompts, self.verify_time_s)
 
     def extend(self, other: Groups) -> Groups:
+        names = set(self.values) | set(other.values)
+        values = {name: torch.cat([groups.values.get(name, torch.full_like(groups.correct, math.nan))
+                                   for groups in (self, other)]) for name in names}
         return Groups(self.problems + other.problems, self.completions + other.completions,
-                      torch.cat([self.correct, other.correct]), self.verify_time_s + other.verify_time_s)
+                      torch.cat([self.correct, other.correct]), torch.cat([self.rewards, other.rewards]), values,
+                      torch.cat([self.skipped, other.skipped]), self.reward_errors + other.reward_errors,
+                      self.skipped_prompts + other.skipped_prompts, self.verify_time_s + other.verify_time_s)
+
+    def drop_skipped(self) -> Groups:
+        """Without the prompts that have a skipped sample (every reward function returned None): the groups stay
+        whole; the count of dropped prompts is kept in ``skipped_prompts``."""
+        kept = [i for i in range(len(self)) if not bool(self.skipped[i])]
+        if len(kept) == len(self):
+            return self
+        dropped = self.select(kept)
+        dropped.skipped_prompts += len(self) - len(kept)
+        return dropped
 
     def mean_logprobs(self) -> torch.Tensor:
         """``[P, G]`` each completion's mean token log-prob under the policy that sampled it (0 for an empty one)."""
@@ -86,19 +117,29 @@ def prompt_seeds(seed: int, count: int) -> list[int]:
     return [seed + index * 1_000_003 for index in range(count)]
 
 
-def sample_groups(sampler, problems: list[Problem], prompt_ids: dict[str, list[int]], verifier, *, group_size: int,
-                  max_new_tokens: int, temperature: float, top_p: float, seed: int | list[int]) -> Groups:
-    """``group_size`` completions per problem, each verified against the problem's answer. ``seed``: the draw's, or
-    one per problem (:func:`prompt_seeds`). All the draw's answers go to the verifier in one
-    :func:`~fgrpo.rollout.verifier.verify_batch` call, so a verifier pool spreads them over its workers."""
+def sample_groups(sampler, problems: list[Problem], prompt_ids: dict[str, list[int]], scorer: Scorer, *,
+                  group_size: int, max_new_tokens: int, temperature: float, top_p: float,
+                  seed: int | list[int]) -> Groups:
+    """``group_size`` completions per problem, each scored by the run's reward functions. ``seed``: the draw's, or
+    one per problem (:func:`prompt_seeds`). All the draw's samples go to the scorer in one call, so its pool spreads
+    them over its workers."""
     completions = sampler.generate([prompt_ids[p.id] for p in problems], group_size, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, seed=seed)
     start = time.perf_counter()
-    texts = [c.text for group in completions for c in group]
-    answers = [p.answer for p, group in zip(problems, completions) for _ in group]
-    rewards = iter(verify_batch(verifier, texts, answers))
-    correct = torch.tensor([[next(rewards) for _ in group] for group in completions], dtype=torch.float32)
-    return Groups(problems, completions, correct, time.perf_counter() - start)
+    views = [sample_view(completion=c.text, completion_ids=c.token_ids,
+                         prompt=list(p.prompt) if isinstance(p.prompt, tuple) else p.prompt or p.question,
+                         answer=p.answer, source=p.source, fields=p.fields, timeout_s=scorer.timeout_s)
+             for p, group in zip(problems, completions) for c in group]
+    scored = scorer.score(views)
+    shape = (len(problems), group_size)
+
+    def table(values: list) -> torch.Tensor:
+        return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32).reshape(shape)
+
+    skipped = torch.tensor(scored.skipped, dtype=torch.bool).reshape(shape).any(dim=1)
+    return Groups(problems, completions, table(scored.correct), table(scored.rewards),
+                  {name: table(values) for name, values in scored.values.items()}, skipped, scored.errors,
+                  verify_time_s=time.perf_counter() - start)
 
 
 def collect_groups(draw: Callable[[list[Problem], list[int]], Groups], stream: ProblemStream, count: int, *, seed: int,
@@ -109,11 +150,12 @@ def collect_groups(draw: Callable[[list[Problem], list[int]], Groups], stream: P
 
     Several ranks (fgrpo.infra.distributed): every rank takes the same problems from its copy of the stream and draws its
     share (its engine's, then keeps its own part); the count kept is the whole run's, and the first ``count`` in rank
-    order are kept, so ranks may end with unequal shares (the learner pads its micro-batches to match)."""
+    order are kept, so ranks may end with unequal shares (the learner pads its micro-batches to match). A prompt with a
+    sample that every reward function skipped is dropped (counted in ``Groups.skipped_prompts``)."""
     def draw_round(round_seed: int) -> Groups:
         problems = stream.take(count)
         drawn = draw(ranks.share(problems, of_engine=True), ranks.share(prompt_seeds(round_seed, count), of_engine=True))
-        return drawn.select(ranks.own_part(list(range(len(drawn)))))
+        return drawn.select(ranks.own_part(list(range(len(drawn))))).drop_skipped()
 
     groups = draw_round(seed)
     if not dynamic_sampling:
@@ -136,7 +178,7 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: flo
 
 def overlong_penalties(groups: Groups, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
     """``[P, G]``: :func:`overlong_penalty` of each completion's length."""
-    penalties = torch.zeros_like(groups.correct)  # [P, G] also when this rank kept no group (P = 0)
+    penalties = torch.zeros_like(groups.rewards)  # [P, G] also when this rank kept no group (P = 0)
     for row, group in enumerate(groups.completions):
         for column, completion in enumerate(group):
             penalties[row, column] = overlong_penalty(len(completion.token_ids), max_new_tokens, buffer, penalty)

@@ -25,7 +25,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf
 
-from fgrpo.config import validate, validate_layout
+from fgrpo.validation import validate, validate_layout
 from fgrpo.infra.errors import BAD_INPUT, ConfigError  # BAD_INPUT: errors whose message says everything
 
 log = logging.getLogger("fgrpo")

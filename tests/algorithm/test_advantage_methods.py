@@ -5,8 +5,7 @@ from math import comb, sqrt
 import pytest
 import torch
 
-from fgrpo.algorithm.advantage_methods import ADVANTAGE_METHODS, compute_advantages
-from fgrpo.algorithm.advantage_settings import METHODS, AdvantageSettings, method_label
+from fgrpo.algorithm.advantage_registry import AdvantageSettings, compute_advantages, method_label, methods
 from fgrpo.algorithm.advantages import group_advantages
 from fgrpo.algorithm.losses import policy_loss
 
@@ -124,7 +123,7 @@ def test_passk_groups_every_k_subset_of_which_is_solved_get_0():
         advantages("passk", [[1, 0, 0, 0]], k=5)
 
 
-@pytest.mark.parametrize("method", sorted(ADVANTAGE_METHODS))
+@pytest.mark.parametrize("method", sorted(methods()))
 def test_every_method_keeps_the_shape_and_dtype(method):
     rewards = torch.tensor([[1.0, 0, 0, 1], [0, 0, 0, 1], [1, 1, 1, 1]])
     logp = torch.randn(3, 4)
@@ -138,8 +137,9 @@ def test_unknown_method_lists_the_choices():
 
 
 def test_method_labels_name_the_parameter_that_sets_a_method_apart():
-    assert tuple(ADVANTAGE_METHODS) == METHODS  # the torch-free names that config.validate and the report read
-    labels = [method_label(AdvantageSettings(m, gamma=1.0, lam=0.2, beta=0.5, k=2)) for m in sorted(METHODS)]
+    names = ["dr_grpo", "focal", "maxrl", "mean_focal", "passk", "unlikeliness", "w_reinforce"]
+    assert sorted(methods()) == names
+    labels = [method_label(m, AdvantageSettings(m, gamma=1.0, lam=0.2, beta=0.5, k=2).params) for m in names]
     assert labels == ["dr_grpo", "focal gamma=1", "maxrl", "mean_focal gamma=1", "passk k=2", "unlikeliness beta=0.5",
                       "w_reinforce lam=0.2"]
-    assert method_label(AdvantageSettings("focal", gamma=1.0), with_gamma=False) == "focal"
+    assert method_label("focal", {"gamma": 1.0}, with_gamma=False) == "focal"

@@ -15,9 +15,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fgrpo.infra import distributed  # noqa: E402
-from fgrpo.config import ConfigError  # noqa: E402
+from fgrpo.infra.errors import ConfigError  # noqa: E402
 from fgrpo.rollout.data import Problem  # noqa: E402
 from fgrpo.evaluation.held_out import evaluate  # noqa: E402
+from fgrpo.rewards.entries import reward_entries  # noqa: E402
+from fgrpo.rewards.scoring import Scorer  # noqa: E402
 from fgrpo.rollout.rollouts import Groups, ProblemStream, collect_groups  # noqa: E402
 from fgrpo.rollout.samplers import Completion  # noqa: E402
 
@@ -54,7 +56,8 @@ def main(out_prefix: str) -> None:
 
     eval_set = [Problem(f"e{i}", f"q{i}", "1", "toy") for i in range(5)]
     prompt_ids = {p.id: [i] for i, p in enumerate(eval_set)}
-    metrics, _, _ = evaluate(CountingSampler(), {"toy": eval_set}, prompt_ids, lambda text, answer: text == answer,
+    scorer = Scorer(reward_entries([{"fn": "numeric"}]))  # "1" against the answer "1": the counting sampler's rule
+    metrics, _, _ = evaluate(CountingSampler(), {"toy": eval_set}, prompt_ids, scorer,
                           n_samples=4, max_problems=5, max_new_tokens=1, temperature=1.0, top_p=1.0, seed=0,
                           ranks=ranks)
     seen["pass@1"] = metrics["eval/pass@1"]

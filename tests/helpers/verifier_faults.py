@@ -9,7 +9,7 @@ import os
 import signal
 import time
 
-from fgrpo.rollout.answers import verify_math
+from fgrpo.rewards.answers import verify_math
 
 EXIT = "<<exit>>"  # the worker ends at once (os._exit), as after a fatal error in a C extension
 KILL = "<<kill>>"  # SIGKILL: what the out-of-memory killer sends

@@ -154,7 +154,7 @@ def test_selective_checkpoint_keeps_matmul_outputs_and_gives_the_eager_gradients
     ("hardware.compile_learner=false", "hardware.compile_learner=true"),
 ])
 def test_kept_matmul_outputs_need_checkpointed_compiled_layers(compose, override, fix):
-    from fgrpo.config import validate
+    from fgrpo.validation import validate
     from fgrpo.infra.errors import ConfigError
 
     validate(compose("hardware=cpu", "hardware.keep_matmul_outputs_gib=0.5"))

@@ -145,7 +145,7 @@ def test_flex_for_a_model_it_cannot_run_is_refused_before_the_weights_load(tmp_p
 def test_flex_on_the_cpu_or_an_unfit_gpu_is_refused_before_loading(compose, monkeypatch):
     from fgrpo import prepare as setup
     from fgrpo.learner import flex_attention
-    from fgrpo.config import validate
+    from fgrpo.validation import validate
     from fgrpo.infra.errors import ConfigError
     from fgrpo.prepare import prepare
 

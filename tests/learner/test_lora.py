@@ -175,7 +175,7 @@ def test_learner_trains_adapters_pushes_merged_weights_and_round_trips(compose):
     ("model.lora.target_modules=[]", r"model.lora.target_modules=\[\]: must be a non-empty list"),
 ])
 def test_bad_lora_settings_are_refused_before_the_model_loads(compose, override, message):
-    from fgrpo.config import validate
+    from fgrpo.validation import validate
 
     with pytest.raises(ConfigError, match=message):
         validate(compose("model.lora.rank=8", override))
@@ -255,7 +255,7 @@ def test_a_bf16_base_trains_fp32_adapters(tiny_model):
 
 
 def test_bf16_base_weights_are_allowed_with_lora_only(compose):
-    from fgrpo.config import validate
+    from fgrpo.validation import validate
 
     with pytest.raises(ConfigError, match="hardware.learner_dtype='bfloat16'"):
         validate(compose("hardware.learner_dtype=bfloat16", "trainer.lr=1e-6"))

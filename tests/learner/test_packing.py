@@ -192,7 +192,7 @@ def test_shared_prompt_micro_batches_give_the_padded_loss_and_gradients(tiny_mod
 
 
 def test_shared_prompts_need_packed_rows_and_a_mask_taking_attention(tiny_model, compose):
-    from fgrpo.config import validate
+    from fgrpo.validation import validate
     from fgrpo.infra.errors import ConfigError
     from fgrpo.learner.forward import _attention_mask
 

@@ -123,7 +123,7 @@ def test_without_segments_it_is_eager_attention(tiny_model):
 def test_what_segment_attention_does_not_do_is_refused(tmp_path, compose):
     from transformers import MistralConfig
 
-    from fgrpo.config import validate
+    from fgrpo.validation import validate
 
     from fgrpo.infra.errors import ConfigError
     from fgrpo.learner.model import load_policy

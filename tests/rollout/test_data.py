@@ -140,7 +140,7 @@ def test_limit_keeps_the_first_rows_and_only_checks_them(tmp_path):
     problems = load_problems(name="d", kind="file", path=str(path), limit=3)
     assert [p.id for p in problems] == ["d/0", "d/1", "d/2"]
     assert len(load_problems(name="d", kind="file", path=str(path), limit=6)) == 6
-    with pytest.raises(DataError, match="row 6"):
+    with pytest.raises(DataError, match=r"row 7 \(counting from 1\)"):
         load_problems(name="d", kind="file", path=str(path), limit=100)
     with pytest.raises(DataError, match="limit must be >= 1"):
         load_problems(name="d", kind="file", path=str(path), limit=0)
@@ -166,7 +166,7 @@ def test_row_without_the_answer_names_file_row_and_fields(tmp_path):
         load_problems(name="d", kind="file", path=str(path))
     message = str(caught.value)
     assert str(path) in message
-    assert "row 2 " in message
+    assert "row 3 (counting from 1)" in message
     assert "'answer'" in message
     assert "['question', 'solution']" in message
     assert "answer_field=" in message
@@ -184,13 +184,13 @@ def test_row_without_the_answer_names_file_row_and_fields(tmp_path):
 )
 def test_empty_values_are_rejected(tmp_path, row, field):
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": "ok", "answer": "1"}, row])
-    with pytest.raises(DataError, match=rf"row 1 \(0-based\) has no usable {field} field '{field}'"):
+    with pytest.raises(DataError, match=rf"row 2 \(counting from 1\) has no usable {field} field '{field}'"):
         load_problems(name="d", kind="file", path=str(path))
 
 
 def test_field_missing_from_every_row(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"problem": "q", "answer": "1"}])
-    with pytest.raises(DataError, match=r"row 0 .*'question' \(missing or null\); the row has fields \['problem', 'answer'\]"):
+    with pytest.raises(DataError, match=r"row 1 .*'question' \(missing or null\); the row has fields \['problem', 'answer'\]"):
         load_problems(name="d", kind="file", path=str(path))
 
 

@@ -1,4 +1,4 @@
-"""fgrpo.rollout.answers: extracting the final answer, the numeric and math checks, their timeouts on pathological
+"""fgrpo.rewards.answers: extracting the final answer, the numeric and math checks, their timeouts on pathological
 input. The verifier built from them and its worker pool: tests/rollout/test_verifier.py."""
 
 import json
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from answer_cases import MATH_CASES, POWER_TOWER
-from fgrpo.rollout.answers import SCAN_CHARS, extract_answer, verify_math, verify_numeric
+from fgrpo.rewards.answers import SCAN_CHARS, extract_answer, verify_math, verify_numeric
 
 
 def run_isolated(code: str, limit_s: float = 30.0) -> dict:
@@ -151,7 +151,7 @@ def test_verify_math_times_out_on_a_power_tower_in_the_main_thread():
     result = run_isolated(
         f"""
         import json, time
-        from fgrpo.rollout.answers import verify_math
+        from fgrpo.rewards.answers import verify_math
         verify_math("1", "1")  # math-verify's import (not part of an answer's timeout)
         started = time.perf_counter()
         reward = verify_math({POWER_TOWER!r}, "1", timeout_s=1.0)
@@ -171,7 +171,7 @@ def test_verify_math_times_out_in_a_worker_thread():
     result = run_isolated(
         r"""
         import json, threading, time
-        from fgrpo.rollout.answers import verify_math
+        from fgrpo.rewards.answers import verify_math
         verify_math("1", "1")  # math-verify's import (not part of an answer's timeout)
         outcome = {}
         def work():
@@ -218,7 +218,7 @@ def test_verify_math_imports_math_verify_outside_the_timeout():
     result = run_isolated(
         r"""
         import json
-        from fgrpo.rollout.answers import verify_math
+        from fgrpo.rewards.answers import verify_math
         # the import alone takes about 0.8 s
         print(json.dumps({"reward": verify_math(r"\boxed{0.5}", r"\frac{1}{2}", timeout_s=0.5)}))
         """

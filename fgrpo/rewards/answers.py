@@ -8,21 +8,18 @@
 
 Completions are untrusted model output: both look at only the last ``SCAN_CHARS`` characters, use
 regexes that cannot backtrack catastrophically, and return 0.0 instead of raising. Which check a run
-uses, and in which processes, is :mod:`fgrpo.rollout.verifier`'s business.
+uses, and in which processes, is :mod:`fgrpo.rewards.scoring`'s business: they are the built-in reward
+functions ``numeric`` and ``math`` (:mod:`fgrpo.rewards.entries`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
-import math
 import re
-import signal
-import threading
-import time
 from fractions import Fraction
-from typing import Callable
+
+from fgrpo.rewards.time_limit import TimeLimitExceeded, check_timeout, run_with_time_limit
 
 __all__ = ["SCAN_CHARS", "extract_answer", "verify_numeric", "verify_math", "check_timeout"]
 
@@ -144,14 +141,6 @@ def verify_numeric(completion: str, answer: str) -> float:
 # --- math-verify, under a timeout ------------------------------------------------------------
 
 
-class _VerifyTimeout(BaseException):
-    """Raised into a running verification when its time is up.
-
-    A BaseException so that the ``except Exception`` blocks inside math-verify and sympy let it
-    through instead of swallowing it and carrying on unbounded.
-    """
-
-
 class _DropTimeoutDisabledWarning(logging.Filter):
     """math-verify warns once that its own timeout is off; here :func:`verify_math` bounds time."""
 
@@ -195,79 +184,6 @@ def _math_verify_match(completion: str, answer: str) -> bool:
     return bool(verify(reference, predicted, timeout_seconds=None))
 
 
-def _run_with_alarm(fn: Callable[[], bool], timeout_s: float) -> bool:
-    """Run ``fn`` in the main thread, interrupted by SIGALRM after ``timeout_s`` seconds.
-
-    Saves and restores any SIGALRM handler and interval timer already set (a timer due during
-    the call fires late, right after it).
-    """
-
-    def on_alarm(signum, frame):
-        raise _VerifyTimeout()
-
-    started = time.monotonic()
-    previous_handler = signal.signal(signal.SIGALRM, on_alarm)
-    previous_delay, previous_interval = signal.setitimer(signal.ITIMER_REAL, timeout_s)
-    try:
-        try:
-            return fn()
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-    finally:
-        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous_handler is None else previous_handler)
-        if previous_delay > 0:
-            remaining = previous_delay - (time.monotonic() - started)
-            signal.setitimer(signal.ITIMER_REAL, max(remaining, 1e-6), previous_interval)
-
-
-def _set_async_exception(thread_id: int, exception: type[BaseException] | None) -> None:
-    """Schedule ``exception`` in another thread (None cancels a pending one). CPython only."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread_id), None if exception is None else ctypes.py_object(exception)
-    )
-
-
-def _run_with_watchdog(fn: Callable[[], bool], timeout_s: float) -> bool:
-    """Run ``fn`` in this (non-main) thread, interrupted by a watchdog thread after ``timeout_s``.
-
-    Signals only reach the main thread, so the watchdog raises :class:`_VerifyTimeout` in this
-    thread through CPython's asynchronous-exception API instead. A lock makes sure the exception
-    is either raised while ``fn`` runs, or cancelled before this function returns. It lands
-    between bytecodes only: a C call that holds the GIL (a huge integer power) blocks the
-    watchdog itself until the call ends.
-    """
-    thread_id = threading.get_ident()
-    lock = threading.Lock()
-    state = {"finished": False, "fired": False}
-
-    def interrupt() -> None:
-        with lock:
-            if not state["finished"]:
-                state["fired"] = True
-                _set_async_exception(thread_id, _VerifyTimeout)
-
-    watchdog = threading.Timer(timeout_s, interrupt)
-    watchdog.daemon = True
-    watchdog.start()
-    try:
-        return fn()
-    finally:
-        with lock:
-            state["finished"] = True
-            if state["fired"]:
-                _set_async_exception(thread_id, None)
-        watchdog.cancel()
-
-
-def check_timeout(timeout_s) -> float:
-    """``timeout_s`` as a float; ValueError unless it is a positive, finite number of seconds."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s):
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}; e.g. timeout_s=5.0")
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}; e.g. timeout_s=5.0")
-    return float(timeout_s)
-
-
 def verify_math(completion: str, answer: str, timeout_s: float = 5.0) -> float:
     """1.0 if math-verify finds the completion's answer equivalent to the reference, else 0.0.
 
@@ -282,8 +198,8 @@ def verify_math(completion: str, answer: str, timeout_s: float = 5.0) -> float:
     asynchronous exception instead: that stops Python-level work (sympy's simplification,
     factorials) but not a single C call that holds the GIL, such as that power, which then runs
     until it ends or memory runs out. For a hard bound, call this from the main thread of this
-    process or of worker processes (:func:`fgrpo.rollout.verifier.make_verifier` returns a picklable
-    callable, and its pool calls it in each worker's main thread).
+    process or of worker processes (the reward pool, :mod:`fgrpo.rewards.pool`, calls it in each
+    worker's main thread).
 
     Raises:
         ValueError: ``timeout_s`` is not a positive finite number (an argument error, not a
@@ -295,10 +211,8 @@ def verify_math(completion: str, answer: str, timeout_s: float = 5.0) -> float:
     completion_tail = completion[-SCAN_CHARS:]
     answer_tail = answer[-SCAN_CHARS:]
     _math_verify_functions()  # the first call's import (about a second) is not the answer's time
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    run = _run_with_alarm if in_main_thread and hasattr(signal, "setitimer") else _run_with_watchdog
     try:
-        matched = run(lambda: _math_verify_match(completion_tail, answer_tail), timeout_s)
-    except (Exception, _VerifyTimeout):
+        matched = run_with_time_limit(lambda: _math_verify_match(completion_tail, answer_tail), timeout_s)
+    except (Exception, TimeLimitExceeded):
         return 0.0
     return 1.0 if matched else 0.0

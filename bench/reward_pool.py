@@ -1,14 +1,15 @@
-"""How fast math answers are verified: answers per second in the trainer's process (verifier_workers=1) and in a
-pool of N worker processes (fgrpo.rollout.verifier.VerifierPool), on a seeded mix of realistic completions: reasoning
-text ending in boxed integers, fractions, radicals, polynomials, intervals, tuples and multiples of pi, or in a
-bare number; about a third of them wrong.
+"""How fast samples are scored through fgrpo's reward path (fgrpo.rewards.scoring.Scorer): the math check in the
+trainer's process (dataset.reward_workers=1) and in a pool of N worker processes, and a user's reward function (a
+trivial one, loaded by its file path: what the pool's per-call cost is) in the pool, on a seeded mix of realistic
+completions: reasoning text ending in boxed integers, fractions, radicals, polynomials, intervals, tuples and
+multiples of pi, or in a bare number; about a third of them wrong.
 
-    python bench/verifier_pool.py                      # 400 answers, workers 2 and 4, 3 repeats
-    python bench/verifier_pool.py --answers 1024 --workers 2,4,8 --repeats 5
+    python bench/reward_pool.py                      # 400 answers, workers 2 and 4, 3 repeats
+    python bench/reward_pool.py --answers 1024 --workers 2,4,8 --repeats 5
 
 Prints the pool's start-up time (new interpreters importing math-verify, once per run) and, per setting, the
-median answers per second over the repeats with its speed-up over one process. All settings must give the same
-verdicts; the script fails if they do not.
+median answers per second over the repeats with its speed-up over one process. All math settings must give the
+same verdicts; the script fails if they do not.
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fgrpo.rollout.verifier import VerifierPool, make_verifier, verify_numeric  # noqa: E402
+from fgrpo.rewards.binding import sample_view  # noqa: E402
+from fgrpo.rewards.entries import reward_entries  # noqa: E402
+from fgrpo.rewards.scoring import Scorer  # noqa: E402
+
+USER_REWARD = "def length(completion):\n    return min(1.0, len(completion) / 1000)\n"
 
 REASONING = [
     r"Let $n$ be the number of terms. Each step adds $3$ to the previous one, so after $k$ steps we have $3k + 2$.",
@@ -70,14 +76,22 @@ def completions(count: int, seed: int = 0) -> tuple[list[str], list[str]]:
     return texts, references
 
 
-def answers_per_second(verify_batch, texts: list[str], references: list[str], repeats: int) -> tuple[float, list]:
-    """The median rate of ``verify_batch(texts, references)`` over ``repeats`` runs, and its verdicts."""
+def answers_per_second(scorer: Scorer, texts: list[str], references: list[str], repeats: int) -> tuple[float, list]:
+    """The median rate of ``scorer`` over the batch in ``repeats`` runs, and its verdicts."""
+    views = [sample_view(completion=text, completion_ids=[], prompt="", answer=reference, source="bench", fields={},
+                         timeout_s=scorer.timeout_s) for text, reference in zip(texts, references)]
     rates = []
     for _ in range(repeats):
         start = time.perf_counter()
-        verdicts = verify_batch(texts, references)
+        verdicts = scorer.score(views).correct
         rates.append(len(texts) / (time.perf_counter() - start))
     return statistics.median(rates), verdicts
+
+
+def scorer(fn: str, workers: int, timeout_s: float) -> Scorer:
+    made = Scorer(reward_entries([{"fn": fn}]), workers=workers, timeout_s=timeout_s)
+    made.describe()  # loads the function where it runs (starts the pool's workers)
+    return made
 
 
 def worker_counts(text: str) -> list[int]:
@@ -95,35 +109,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--answers", type=int, default=400, help="completions per batch (default: 400)")
     parser.add_argument("--workers", type=worker_counts, default=[2, 4], help="pool sizes, e.g. 2,4,8 (default: 2,4)")
     parser.add_argument("--repeats", type=int, default=3, help="batches timed per setting; the median is printed")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per answer (dataset.verifier_timeout_s)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per answer (dataset.reward_timeout_s)")
     args = parser.parse_args(argv)
 
     texts, references = completions(args.answers)
     cores = len(os.sched_getaffinity(0))
     print(f"{args.answers} answers, {sum(len(t) for t in texts) // len(texts)} characters each on average; "
           f"{cores} usable cores; median of {args.repeats}")
-    numeric_rate, _ = answers_per_second(lambda c, a: [verify_numeric(x, y) for x, y in zip(c, a)],
-                                         texts, references, args.repeats)
-    print(f"numeric verifier, in-process: {numeric_rate:,.0f} answers/s (never pooled)")
+    numeric = scorer("numeric", 1, args.timeout)
+    numeric_rate, _ = answers_per_second(numeric, texts, references, args.repeats)
+    print(f"numeric check, in-process: {numeric_rate:,.0f} answers/s (never pooled)")
 
-    serial = make_verifier("math", timeout_s=args.timeout, workers=1)
-    serial(texts[0], references[0])  # math-verify's import, not timed
-    serial_rate, expected = answers_per_second(lambda c, a: [serial(x, y) for x, y in zip(c, a)],
-                                               texts, references, args.repeats)
-    print(f"math verifier, 1 (in-process): {serial_rate:7.1f} answers/s, {sum(expected):.0f} right")
-    for count in args.workers:
-        with VerifierPool(serial, count, timeout_s=args.timeout) as pool:
+    serial = scorer("math", 1, args.timeout)
+    answers_per_second(serial, texts[:1], references[:1], 1)  # math-verify's import, not timed
+    serial_rate, expected = answers_per_second(serial, texts, references, args.repeats)
+    print(f"math check, 1 (in-process): {serial_rate:7.1f} answers/s, {sum(expected):.0f} right")
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "user_reward.py").write_text(USER_REWARD)
+        for count in args.workers:
             start = time.perf_counter()
-            pool.verify_batch(texts[:count], references[:count])  # starts every worker
+            pooled = scorer("math", count, args.timeout)
+            answers_per_second(pooled, texts[:count], references[:count], 1)  # every worker has math-verify
             started_s = time.perf_counter() - start
-            rate, verdicts = answers_per_second(pool.verify_batch, texts, references, args.repeats)
+            rate, verdicts = answers_per_second(pooled, texts, references, args.repeats)
+            counters = pooled.pool.counters
+            pooled.close()
             if verdicts != expected:
-                sys.exit(f"the pool of {count} disagrees with the in-process verifier on "
+                sys.exit(f"the pool of {count} disagrees with the in-process check on "
                          f"{sum(v != e for v, e in zip(verdicts, expected))} answers")
-            print(f"math verifier, {count} workers: {rate:7.1f} answers/s, x{rate / serial_rate:.2f}; "
-                  f"started in {started_s:.2f} s; {pool.counters['worker_deaths']} deaths, "
-                  f"{pool.counters['stuck_workers_killed']} stuck")
-
+            user = scorer(f"{folder}/user_reward.py:length", count, args.timeout)
+            user_rate, _ = answers_per_second(user, texts, references, args.repeats)
+            user.close()
+            print(f"math check, {count} workers: {rate:7.1f} answers/s, x{rate / serial_rate:.2f}; "
+                  f"started in {started_s:.2f} s; {counters['worker_deaths']} deaths, "
+                  f"{counters['stuck_workers_killed']} stuck; a user's function: {user_rate:,.0f} samples/s")
 
 if __name__ == "__main__":
     main()

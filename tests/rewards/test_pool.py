@@ -1,5 +1,6 @@
-"""fgrpo.rollout.verifier: make_verifier, verify_batch and the worker pool (pebble's) with its timeouts, deaths,
-stuck workers and signals. The answer checks themselves: tests/rollout/test_answers.py."""
+"""fgrpo.rewards.pool: the worker pool (pebble's) with its per-task time limits, deaths, stuck workers and signals,
+run here on the math check (the reward functions through it: tests/rewards/test_scoring.py). The answer checks
+themselves: tests/rewards/test_answers.py."""
 
 import functools
 import gc
@@ -15,25 +16,20 @@ import time
 import pytest
 
 from answer_cases import MATH_CASES, POWER_TOWER
-from fgrpo.rollout.answers import verify_math, verify_numeric
-from fgrpo.rollout.verifier import make_verifier
-def test_make_verifier():
-    numeric = make_verifier("numeric")
-    assert numeric("The answer is 7", "7") == 1.0
-    math_verifier = make_verifier("math", timeout_s=3.0)
-    assert math_verifier(r"\boxed{0.5}", r"\frac{1}{2}") == 1.0
-    assert math_verifier.keywords == {"timeout_s": 3.0}
-    assert pickle.loads(pickle.dumps(math_verifier))(r"\boxed{2}", "3") == 0.0
+from fgrpo.rewards.answers import verify_math
+from fgrpo.rewards.pool import Fault, WorkerPool
 
 
-def test_make_verifier_rejects_unknown_kind_and_bad_timeout():
-    with pytest.raises(ValueError, match=r"unknown verifier kind 'exact'.*\['numeric', 'math'\]"):
-        make_verifier("exact")
-    with pytest.raises(ValueError, match="timeout_s must be > 0"):
-        make_verifier("math", timeout_s=0)
+def math_pool(verify=None, *, workers: int = 2, timeout_s: float = 2.0, **settings) -> WorkerPool:
+    """A pool running ``verify(completion, answer)`` (default: the math check), warmed up as the scorer does."""
+    verify = verify or functools.partial(verify_math, timeout_s=timeout_s)
+    return WorkerPool(verify, workers, timeout_s=timeout_s, warm_up=functools.partial(verify, "0", "0"), **settings)
 
 
-# --- the verifier pool -----------------------------------------------------------------------
+def verdicts(pool: WorkerPool, completions: list[str], answers: list[str]) -> list[float]:
+    """Each answer's verdict, a task lost to a fault (its worker died or was stuck) counted 0.0."""
+    return [0.0 if isinstance(result, Fault) else result for result in pool.run(list(zip(completions, answers)))]
+# --- the pool on the math check --------------------------------------------------------------
 
 # (completion, reference, math-verify's verdict): MATH_CASES and more forms models write
 POOL_CASES = [
@@ -85,10 +81,8 @@ def faulty_pool():
     """Two workers running tests/helpers/verifier_faults.py's verify function (a stuck one is killed 1 s after its timeout)."""
     from verifier_faults import faulty_verify
 
-    from fgrpo.rollout.verifier import VerifierPool
-
-    with VerifierPool(functools.partial(faulty_verify, timeout_s=POOL_TIMEOUT_S), workers=2,
-                      timeout_s=POOL_TIMEOUT_S, stuck_margin_s=1.0) as pool:
+    with math_pool(functools.partial(faulty_verify, timeout_s=POOL_TIMEOUT_S), timeout_s=POOL_TIMEOUT_S,
+                   stuck_margin_s=1.0) as pool:
         yield pool
 
 
@@ -116,12 +110,12 @@ def test_pool_gives_the_serial_verdicts_in_order_despite_timeouts_and_crashes(fa
         answers.insert(position, "1")
         serial.insert(position, 0.0)
     before = dict(faulty_pool.counters)
-    with caplog.at_level(logging.WARNING, logger="fgrpo.rollout.verifier"):
-        assert faulty_pool.verify_batch(completions, answers) == serial
+    with caplog.at_level(logging.WARNING, logger="fgrpo.rewards.pool"):
+        assert verdicts(faulty_pool, completions, answers) == serial
     assert faulty_pool.worker_deaths - before["worker_deaths"] == 3  # exit, kill, segfault
     assert faulty_pool.stuck_workers_killed - before["stuck_workers_killed"] == 1  # the hang
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert sum("died" in w for w in warnings) == 3 and sum("still on answer" in w for w in warnings) == 1
+    assert sum("died" in w for w in warnings) == 3 and sum("still on task" in w for w in warnings) == 1
     assert any("killed by SIGSEGV" in w for w in warnings) and any("exit code 3" in w for w in warnings)
 
 
@@ -132,31 +126,28 @@ def test_pool_keeps_working_after_deaths(faulty_pool):
     deaths = faulty_pool.worker_deaths
     batch = [rf"\boxed{{{n}}}" for n in range(10)]
     batch[3] += KILL
-    assert faulty_pool.verify_batch(batch, ["4"] * 10) == [0.0] * 4 + [1.0] + [0.0] * 5
+    assert verdicts(faulty_pool, batch, ["4"] * 10) == [0.0] * 4 + [1.0] + [0.0] * 5
     assert faulty_pool.worker_deaths == deaths + 1
     assert len(set(faulty_pool.pids) - pids) == 1  # the dead worker's replacement
-    assert faulty_pool(r"\boxed{\frac{1}{2}}", "0.5") == 1.0  # a single answer is a batch of one
-    assert faulty_pool.verify_batch([], []) == []
+    assert verdicts(faulty_pool, [r"\boxed{\frac{1}{2}}"], ["0.5"]) == [1.0]
+    assert verdicts(faulty_pool, [], []) == []
 
 
 def test_a_replacement_that_dies_while_starting_is_started_again(caplog):
     from verifier_faults import KILL, faulty_verify
 
-    from fgrpo.rollout.verifier import VerifierPool
-
-    with VerifierPool(functools.partial(faulty_verify, timeout_s=POOL_TIMEOUT_S), workers=2,
-                      timeout_s=POOL_TIMEOUT_S) as pool:
-        assert pool.verify_batch([r"\boxed{1}", r"\boxed{2}"], ["1", "2"]) == [1.0, 1.0]  # both workers got ready
+    with math_pool(functools.partial(faulty_verify, timeout_s=POOL_TIMEOUT_S), timeout_s=POOL_TIMEOUT_S) as pool:
+        assert verdicts(pool, [r"\boxed{1}", r"\boxed{2}"], ["1", "2"]) == [1.0, 1.0]  # both workers got ready
         first = set(pool.pids)
-        assert pool.verify_batch([rf"\boxed{{1}} {KILL}"], ["1"]) == [0.0]  # one dies on the answer: replaced
+        assert verdicts(pool, [rf"\boxed{{1}} {KILL}"], ["1"]) == [0.0]  # one dies on the answer: replaced
         (replacement,) = set(pool.pids) - first
         os.kill(replacement, signal.SIGKILL)  # still importing math-verify
         batch = [rf"\boxed{{{n}}}" for n in range(8)]
-        with caplog.at_level(logging.WARNING, logger="fgrpo.rollout.verifier"):
-            assert pool.verify_batch(batch, ["3"] * 8) == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+        with caplog.at_level(logging.WARNING, logger="fgrpo.rewards.pool"):
+            assert verdicts(pool, batch, ["3"] * 8) == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
         deadline = time.monotonic() + 60
         while len(set(pool.pids) - first - {replacement}) < 1 and time.monotonic() < deadline:
-            pool.verify_batch(batch, ["3"] * 8)
+            verdicts(pool, batch, ["3"] * 8)
         assert len(pool.pids) == 2 and replacement not in pool.pids  # started again
         # pebble replaces it unseen, or gives up on its pool (no answer running) and a new one takes the batch:
         # either way no answer was on it, so the only death reported is the one on an answer
@@ -167,13 +158,10 @@ def test_a_replacement_that_dies_while_starting_is_started_again(caplog):
 def test_pool_kills_a_worker_stuck_past_its_timeout():
     from verifier_faults import HANG, faulty_verify
 
-    from fgrpo.rollout.verifier import VerifierPool
-
-    with VerifierPool(functools.partial(faulty_verify, timeout_s=0.5), workers=2, timeout_s=0.5,
-                      stuck_margin_s=0.5) as pool:
-        pool.verify_batch(["1"], ["1"])  # started
+    with math_pool(functools.partial(faulty_verify, timeout_s=0.5), timeout_s=0.5, stuck_margin_s=0.5) as pool:
+        verdicts(pool, ["1"], ["1"])  # started
         started = time.perf_counter()
-        assert pool.verify_batch([HANG, r"\boxed{2}"], ["1", "2"]) == [0.0, 1.0]
+        assert verdicts(pool, [HANG, r"\boxed{2}"], ["1", "2"]) == [0.0, 1.0]
         assert time.perf_counter() - started < 0.5 + 0.5 + 2.0
         assert pool.counters == {"worker_deaths": 0, "stuck_workers_killed": 1}
 
@@ -181,23 +169,21 @@ def test_pool_kills_a_worker_stuck_past_its_timeout():
 def test_pool_raises_the_verify_functions_own_error_and_recovers(faulty_pool):
     from verifier_faults import RAISE
 
-    with pytest.raises(RuntimeError, match=r"raised on answer 1:(.|\n)*a bug in the verify function"):
-        faulty_pool.verify_batch([r"\boxed{1}", RAISE, r"\boxed{3}"], ["1", "2", "3"])
-    assert faulty_pool.verify_batch([r"\boxed{1}", r"\boxed{3}"], ["1", "2"]) == [1.0, 0.0]
+    with pytest.raises(RuntimeError, match=r"raised on task 1:(.|\n)*a bug in the verify function"):
+        verdicts(faulty_pool, [r"\boxed{1}", RAISE, r"\boxed{3}"], ["1", "2", "3"])
+    assert verdicts(faulty_pool, [r"\boxed{1}", r"\boxed{3}"], ["1", "2"]) == [1.0, 0.0]
 
 
 def test_pool_leaves_no_process_behind():
-    from fgrpo.rollout.verifier import make_verifier
-
-    with make_verifier("math", workers=2) as pool:
+    with math_pool() as pool:
         assert pool.pids == []  # started on first use
-        assert pool.verify_batch([r"\boxed{2}"] * 3, ["2", "3", "2"]) == [1.0, 0.0, 1.0]
+        assert verdicts(pool, [r"\boxed{2}"] * 3, ["2", "3", "2"]) == [1.0, 0.0, 1.0]
         pids = pool.pids
         assert len(pids) == 2 and all(alive(pid) for pid in pids)
     assert pool.pids == [] and not any(alive(pid) for pid in pids)
     pool.start()  # again, ahead of its first batch
     assert len(pool.pids) == 2 and pool.pids != pids
-    assert pool(r"\boxed{2}", "2") == 1.0
+    assert verdicts(pool, [r"\boxed{2}"], ["2"]) == [1.0]
     pids = pool.pids
     del pool
     gc.collect()  # the finalizer ends the workers of a pool nobody holds
@@ -207,9 +193,11 @@ def test_pool_leaves_no_process_behind():
 def test_workers_exit_when_the_pool_process_is_killed():
     code = r"""
 import json, os, signal
-from fgrpo.rollout.verifier import make_verifier
-pool = make_verifier("math", workers=2)
-pool.verify_batch([r"\boxed{1}"], ["1"])
+import functools
+from fgrpo.rewards.answers import verify_math
+from fgrpo.rewards.pool import WorkerPool
+pool = WorkerPool(functools.partial(verify_math, timeout_s=2.0), 2)
+pool.run([(r"\boxed{1}", "1")])
 print(json.dumps(pool.pids), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # no finalizer, no atexit
 """
@@ -227,15 +215,13 @@ def test_pool_reports_a_verify_function_its_workers_cannot_import():
     import sys
     import types
 
-    from fgrpo.rollout.verifier import VerifierPool
-
     module = types.ModuleType("only_in_this_process")
     exec("def verify(completion, answer):\n    return 1.0", module.__dict__)
     sys.modules[module.__name__] = module
     try:
-        with VerifierPool(module.verify, workers=2) as pool:
+        with WorkerPool(module.verify, workers=2) as pool:
             with pytest.raises(RuntimeError, match="before it was ready"):
-                pool.verify_batch(["1"], ["1"])
+                verdicts(pool, ["1"], ["1"])
             assert pool.pids == []
     finally:
         del sys.modules[module.__name__]
@@ -247,81 +233,41 @@ def test_pool_pickles_its_settings_only(faulty_pool):
     assert copy.pids == [] and copy.counters == {"worker_deaths": 0, "stuck_workers_killed": 0}
 
 
-def test_make_verifier_workers():
-    from fgrpo.rollout.verifier import VerifierPool
-
-    assert make_verifier("numeric", workers=4) is verify_numeric  # microseconds: never worth a process
-    assert isinstance(make_verifier("math", workers=1), functools.partial)  # in this process, as before
-    pool = make_verifier("math", timeout_s=3.0, workers=3)
-    assert isinstance(pool, VerifierPool) and (pool.workers, pool.timeout_s) == (3, 3.0)
-    assert pool.verify_fn.keywords == {"timeout_s": 3.0}
+def test_one_worker_runs_in_this_process_only_where_asked():
+    alone = WorkerPool(functools.partial(verify_math, timeout_s=3.0), 1, timeout_s=3.0, in_process_alone=True)
+    assert alone.in_process and alone.run([(r"\boxed{2}", "2")]) == [1.0] and alone.pids == []
+    with WorkerPool(functools.partial(verify_math, timeout_s=3.0), 1, timeout_s=3.0) as pooled:  # a user's code
+        assert not pooled.in_process and pooled.run([(r"\boxed{2}", "2")]) == [1.0] and len(pooled.pids) == 1
     for bad in (0, -2, 1.5, "many", True, None):
         with pytest.raises(ValueError, match="workers must be 'auto' or an int >= 1"):
-            make_verifier("math", workers=bad)
+            WorkerPool(verify_math, bad)
 
 
 @pytest.mark.parametrize("cores, ranks, expected", [(2, 1, 1), (1, 1, 1), (4, 1, 3), (64, 1, 8), (16, 4, 3),
                                                     (8, 8, 1)])
 def test_auto_workers(monkeypatch, cores, ranks, expected):
-    from fgrpo.rollout.verifier import auto_verifier_workers, resolve_workers
+    from fgrpo.rewards.pool import auto_workers, resolve_workers
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
-    assert auto_verifier_workers() == resolve_workers("auto") == expected
-
-
-def test_verify_batch_with_a_plain_function():
-    from fgrpo.rollout.verifier import verify_batch
-
-    assert verify_batch(verify_numeric, ["7", "8", "x"], ["7", "7", "7"]) == [1.0, 0.0, 0.0]
-    with pytest.raises(ValueError, match="2 completions but 1 answers"):
-        verify_batch(verify_numeric, ["7", "8"], ["7"])
-
-
-def test_sample_groups_verifies_a_draw_in_one_batch():
-    from fgrpo.rollout.data import Problem
-    from fgrpo.rollout.rollouts import sample_groups
-    from fgrpo.rollout.samplers import Completion
-
-    class Sampler:
-        def generate(self, prompts, group_size, **_):
-            return [[Completion([1], [0.0], False, f"\\boxed{{{len(p) + g}}}") for g in range(group_size)]
-                    for p in prompts]
-
-    class CountingVerifier:
-        batches = []
-
-        def __call__(self, completion, answer):
-            raise AssertionError("a verifier with verify_batch is called once per draw")
-
-        def verify_batch(self, completions, answers):
-            self.batches.append(len(completions))
-            return [verify_numeric(c, a) for c, a in zip(completions, answers)]
-
-    problems = [Problem(id=f"p{i}", question="q", answer=str(i + 2), source="test") for i in range(3)]
-    prompt_ids = {p.id: [0] * (i + 1) for i, p in enumerate(problems)}  # prompt i + 1 tokens long
-    groups = sample_groups(Sampler(), problems, prompt_ids, CountingVerifier(), group_size=3, max_new_tokens=4,
-                           temperature=1.0, top_p=1.0, seed=0)
-    assert CountingVerifier.batches == [9]
-    # problem i's answer is i + 2 and its completions say i + 1, i + 2, i + 3: the middle one is right
-    assert groups.correct.tolist() == [[0.0, 1.0, 0.0]] * 3
+    assert auto_workers() == resolve_workers("auto") == expected
 
 
 @pytest.mark.parametrize("value", [0, -1, "many", 2.5, True])
-def test_config_rejects_bad_verifier_workers(compose, value):
-    from fgrpo.config import validate
+def test_config_rejects_bad_reward_workers(compose, value):
+    from fgrpo.validation import validate
     from fgrpo.infra.errors import ConfigError
 
-    cfg = compose(f"dataset.verifier_workers={str(value).lower() if isinstance(value, bool) else value}")
-    with pytest.raises(ConfigError, match=r"dataset.verifier_workers=.*must be auto or an int >= 1"):
+    cfg = compose(f"dataset.reward_workers={str(value).lower() if isinstance(value, bool) else value}")
+    with pytest.raises(ConfigError, match=r"dataset.reward_workers=.*must be auto or an int >= 1"):
         validate(cfg)
 
 
 @pytest.mark.parametrize("value", ["auto", 1, 4])
-def test_config_accepts_verifier_workers(compose, value):
-    from fgrpo.config import validate
+def test_config_accepts_reward_workers(compose, value):
+    from fgrpo.validation import validate
 
-    validate(compose(f"dataset.verifier_workers={value}"))
+    validate(compose(f"dataset.reward_workers={value}"))
 
 
 def test_stop_signals_while_workers_start_neither_kill_them_nor_reach_them_later():
@@ -330,20 +276,17 @@ def test_stop_signals_while_workers_start_neither_kill_them_nor_reach_them_later
     runs it ignores them."""
     from verifier_faults import faulty_verify
 
-    from fgrpo.rollout.verifier import VerifierPool
-
-    with VerifierPool(functools.partial(faulty_verify, timeout_s=POOL_TIMEOUT_S), workers=2,
-                      timeout_s=POOL_TIMEOUT_S) as pool:
+    with math_pool(functools.partial(faulty_verify, timeout_s=POOL_TIMEOUT_S), timeout_s=POOL_TIMEOUT_S) as pool:
         pool.start()
         starting = pool.pids
         assert len(starting) == 2
         for signum in (signal.SIGUSR2, signal.SIGUSR1, signal.SIGINT):
             for pid in starting:
                 os.kill(pid, signum)
-        assert pool.verify_batch([r"\boxed{1}", r"\boxed{2}", r"\boxed{3}"], ["1", "2", "4"]) == [1.0, 1.0, 0.0]
+        assert verdicts(pool, [r"\boxed{1}", r"\boxed{2}", r"\boxed{3}"], ["1", "2", "4"]) == [1.0, 1.0, 0.0]
         for pid in starting:
             os.kill(pid, signal.SIGUSR2)  # now running: ignored
-        assert pool.verify_batch([r"\boxed{5}"], ["5"]) == [1.0]
+        assert verdicts(pool, [r"\boxed{5}"], ["5"]) == [1.0]
         assert pool.worker_deaths == 0 and sorted(pool.pids) == sorted(starting)
 
 
@@ -354,12 +297,10 @@ def test_a_batch_whose_pool_stops_answering_goes_to_a_new_pool(monkeypatch, capl
     answers go to a new pool."""
     from concurrent.futures import Future
 
-    from fgrpo.rollout import verifier
-    from fgrpo.rollout.verifier import VerifierPool
+    from fgrpo.rewards import pool as pool_module
 
-    with VerifierPool(functools.partial(verify_math, timeout_s=0.2), workers=2, timeout_s=0.2,
-                      stuck_margin_s=0.2) as pool:
-        assert pool.verify_batch([r"\boxed{1}"], ["1"]) == [1.0]  # the workers run: a stuck pool is bad luck
+    with math_pool(timeout_s=0.2, stuck_margin_s=0.2) as pool:
+        assert verdicts(pool, [r"\boxed{1}"], ["1"]) == [1.0]  # the workers run: a stuck pool is bad luck
         stuck_pool = pool._pool
 
         def taken_never_finished(*args, **kwargs):
@@ -368,19 +309,19 @@ def test_a_batch_whose_pool_stops_answering_goes_to_a_new_pool(monkeypatch, capl
             return future
 
         monkeypatch.setattr(stuck_pool, "schedule", taken_never_finished)
-        usual_start_up_limit_s = verifier.STARTUP_LIMIT_S
-        monkeypatch.setattr(verifier, "STARTUP_LIMIT_S", 1.0)  # the stuck pool's deadline: 1 s + two rounds
+        usual_start_up_limit_s = pool_module.STARTUP_LIMIT_S
+        monkeypatch.setattr(pool_module, "STARTUP_LIMIT_S", 1.0)  # the stuck pool's deadline: 1 s + two rounds
         stop_stuck_pool = pool._stop
 
         def stop_then_usual_start_up_limit():
             # the new pool's workers start at the machine's pace (over 1 s on a loaded 2-core AVX2 EPYC)
             stop_stuck_pool()
-            monkeypatch.setattr(verifier, "STARTUP_LIMIT_S", usual_start_up_limit_s)
+            monkeypatch.setattr(pool_module, "STARTUP_LIMIT_S", usual_start_up_limit_s)
 
         monkeypatch.setattr(pool, "_stop", stop_then_usual_start_up_limit)
         started = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="fgrpo.rollout.verifier"):
-            assert pool.verify_batch([r"\boxed{2}", r"\boxed{3}", r"\boxed{4}"], ["2", "3", "5"]) == [1.0, 1.0, 0.0]
+        with caplog.at_level(logging.WARNING, logger="fgrpo.rewards.pool"):
+            assert verdicts(pool, [r"\boxed{2}", r"\boxed{3}", r"\boxed{4}"], ["2", "3", "5"]) == [1.0, 1.0, 0.0]
         assert time.monotonic() - started < 30
         assert pool._pool is not stuck_pool
         assert any("still open" in r.getMessage() for r in caplog.records)

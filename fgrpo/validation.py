@@ -1,0 +1,266 @@
+"""The checks a config must pass before anything expensive starts: :func:`validate` (every key's range, all problems
+listed together), :func:`validate_layout` (the config against the number of processes launched) and
+:func:`advantage_method_of` (the advantage method a config names, a user's loaded by import path).
+
+The lists of allowed names live with the code that implements them and are imported inside :func:`validate`, so that
+``import fgrpo.validation`` stays free of torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from fgrpo.algorithm.advantage_registry import GAMMA_KEY, AdvantageMethod, declare, methods
+from fgrpo.config import Config, learning_rate
+from fgrpo.infra.errors import ConfigError
+from fgrpo.infra.user_code import is_import_path, load_function
+
+__all__ = ["validate", "validate_layout", "advantage_method_of", "smallest_kept_lr", "TYPICAL_WEIGHT"]
+
+
+def validate(cfg: DictConfig | Config) -> None:
+    """Range checks that must fail before the model loads. Raises ConfigError listing every problem."""
+    # every list of allowed names lives with the code that implements them; imported here, not at the top, so that
+    # `import fgrpo.config` (run.py, the sweeper: before Hydra parses the command line) stays free of torch
+    from fgrpo.algorithm.losses import AGG_MODES, ALGOS
+    from fgrpo.infra.precision import AUTOCAST_CHOICES, SAMPLER_CHOICES
+    from fgrpo.infra.tracking import BACKENDS, WANDB_MODES
+    from fgrpo.learner.forward import ATTENTIONS
+    from fgrpo.learner.model import DEVICES, MODEL_SOURCES, WEIGHT_DTYPES
+    from fgrpo.rollout.samplers import SAMPLERS
+
+    problems: list[str] = []
+
+    def need(ok: bool, key: str, value: Any, allowed: str) -> None:
+        if not ok:
+            problems.append(f"{key}={value!r}: {allowed}")
+
+    need(cfg.algo.name in ALGOS, "algo.name", cfg.algo.name, f"must be one of {ALGOS}")
+    need(cfg.algo.group_size >= 2, "algo.group_size", cfg.algo.group_size,
+         "must be >= 2 (group-relative advantages need two samples per prompt)")
+    need(cfg.algo.clip_low > 0, "algo.clip_low", cfg.algo.clip_low, "must be > 0")
+    need(cfg.algo.clip_high > 0, "algo.clip_high", cfg.algo.clip_high, "must be > 0")
+    need(cfg.algo.loss_agg in AGG_MODES, "algo.loss_agg", cfg.algo.loss_agg, f"must be one of {AGG_MODES}")
+    _check_advantage(cfg, need)
+    need(cfg.algo.kl_coef >= 0, "algo.kl_coef", cfg.algo.kl_coef, "must be >= 0")
+    need(cfg.algo.entropy_coef >= 0, "algo.entropy_coef", cfg.algo.entropy_coef, "must be >= 0")
+    lr = learning_rate(cfg.trainer.lr, cfg.model.lora.rank)
+    need(lr > 0, "trainer.lr", cfg.trainer.lr, "must be > 0 (the paper uses 1e-6), or null for the default")
+    _check_lora(cfg.model.lora, need)
+    need(cfg.trainer.steps >= 0, "trainer.steps", cfg.trainer.steps, "must be >= 0")
+    need(cfg.trainer.prompts_per_step >= 1, "trainer.prompts_per_step", cfg.trainer.prompts_per_step, "must be >= 1")
+    need(cfg.trainer.warmup_steps >= 0, "trainer.warmup_steps", cfg.trainer.warmup_steps, "must be >= 0")
+    need(cfg.trainer.grad_clip > 0, "trainer.grad_clip", cfg.trainer.grad_clip, "must be > 0")
+    need(1 <= cfg.trainer.mini_batches <= cfg.trainer.prompts_per_step, "trainer.mini_batches",
+         cfg.trainer.mini_batches, "must be between 1 and trainer.prompts_per_step")
+    need(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every", cfg.trainer.checkpoint_every,
+         "must be >= 0 (steps between checkpoints; 0 = by time only)")
+    need(cfg.trainer.checkpoint_every_min >= 0, "trainer.checkpoint_every_min", cfg.trainer.checkpoint_every_min,
+         "must be >= 0 (minutes between checkpoints; 0 = by steps only)")
+    need(cfg.trainer.keep_checkpoints >= 1, "trainer.keep_checkpoints", cfg.trainer.keep_checkpoints, "must be >= 1")
+    need(cfg.hardware.slurm_signal_delay_s >= 60, "hardware.slurm_signal_delay_s", cfg.hardware.slurm_signal_delay_s,
+         "must be >= 60 (seconds before the time limit: the step, the save and the requeue must fit)")
+    need(cfg.eval.every >= 0, "eval.every", cfg.eval.every, "must be >= 0 (0 = evaluate before and after training only)")
+    need(cfg.eval.n_samples >= 1, "eval.n_samples", cfg.eval.n_samples, "must be >= 1")
+    need(cfg.eval.max_problems >= 1, "eval.max_problems", cfg.eval.max_problems, "must be >= 1")
+    need(cfg.sampler.name in SAMPLERS, "sampler.name", cfg.sampler.name, f"must be one of {SAMPLERS}")
+    need(cfg.sampler.max_new_tokens >= 1, "sampler.max_new_tokens", cfg.sampler.max_new_tokens, "must be >= 1")
+    need(cfg.sampler.temperature > 0, "sampler.temperature", cfg.sampler.temperature,
+         "must be > 0 (RL needs sampling; the paper uses 1.0)")
+    need(0 < cfg.sampler.top_p <= 1, "sampler.top_p", cfg.sampler.top_p, "must be in (0, 1]")
+    need(cfg.hardware.device in DEVICES, "hardware.device", cfg.hardware.device, f"must be one of {DEVICES}")
+    _check_learner_layout(cfg.hardware, need, ATTENTIONS)
+    need(cfg.hardware.sampler_kv_cache_gib > 0, "hardware.sampler_kv_cache_gib", cfg.hardware.sampler_kv_cache_gib,
+         "must be > 0 (GiB of KV cache for vLLM on CPU, e.g. 0.5)")
+    need(cfg.hardware.autocast_dtype in AUTOCAST_CHOICES, "hardware.autocast_dtype", cfg.hardware.autocast_dtype,
+         "must be auto (bfloat16 where this machine runs it natively), float32 or null (no autocast), bfloat16 or "
+         "float16")
+    need(cfg.hardware.sampler_dtype in SAMPLER_CHOICES, "hardware.sampler_dtype", cfg.hardware.sampler_dtype,
+         "must be auto (bfloat16 where this machine runs it natively, else float32), float32, bfloat16 or float16")
+    need(cfg.hardware.learner_dtype in WEIGHT_DTYPES, "hardware.learner_dtype", cfg.hardware.learner_dtype,
+         f"must be one of {WEIGHT_DTYPES}")
+    kept_lr = smallest_kept_lr(cfg.hardware.learner_dtype) if cfg.hardware.learner_dtype in WEIGHT_DTYPES else 0.0
+    need(lr >= kept_lr or cfg.model.lora.rank is not None, "hardware.learner_dtype",
+         cfg.hardware.learner_dtype,
+         f"with trainer.lr={lr:g} most updates round to nothing: an AdamW step moves a weight by about lr, "
+         f"under half the {cfg.hardware.learner_dtype} spacing at a typical weight of {TYPICAL_WEIGHT} "
+         f"({kept_lr:.1e}). Keep hardware.learner_dtype=float32 (fp32 master "
+         "weights; hardware.autocast_dtype=bfloat16 computes in bf16) and spread the memory: more GPUs (the learner "
+         "shards over torchrun / Slurm ranks) or hardware.cpu_offload=true")
+    need(not cfg.hardware.cpu_offload or cfg.hardware.device == "cuda", "hardware.cpu_offload", True,
+         "offloads a sharded learner from GPUs to CPU memory: use it with hardware=gpu, or set it to false")
+    need(not cfg.hardware.sampler_sleep or cfg.hardware.device == "cuda", "hardware.sampler_sleep", True,
+         "vLLM's sleep mode frees GPU memory: use it with hardware=gpu, or set it to false")
+    need(cfg.sampler.tensor_parallel_size >= 1, "sampler.tensor_parallel_size", cfg.sampler.tensor_parallel_size,
+         "must be >= 1")
+    need(cfg.sampler.tensor_parallel_size == 1 or cfg.sampler.name == "vllm", "sampler.tensor_parallel_size",
+         cfg.sampler.tensor_parallel_size, "splits a vLLM engine over ranks: use sampler=vllm, or set it to 1")
+    need(cfg.model.source in MODEL_SOURCES, "model.source", cfg.model.source, f"must be one of {MODEL_SOURCES}")
+    need(cfg.model.source != "hub" or bool(cfg.model.path), "model.path", cfg.model.path,
+         "a hub model needs model.path (a hub id or a local folder)")
+    _check_dataset(cfg.dataset, need, problems)
+    need(cfg.logger.name in BACKENDS, "logger.name", cfg.logger.name, f"must be one of {BACKENDS}")
+    need(cfg.logger.mode is None or cfg.logger.mode in WANDB_MODES, "logger.mode", cfg.logger.mode,
+         f"must be one of {WANDB_MODES} (or unset: $WANDB_MODE, else offline)")
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _check_lora(lora, need) -> None:
+    """``model.lora``'s ranges, through :func:`validate`'s ``need``."""
+    rank = lora.rank
+    need(rank is None or (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1), "model.lora.rank", rank,
+         "must be >= 1 (e.g. 16), or null to train every weight")
+    need(lora.alpha is None or lora.alpha > 0, "model.lora.alpha", lora.alpha, "must be > 0, or null for 2 x rank")
+    need(0 <= lora.dropout < 1, "model.lora.dropout", lora.dropout, "must be in [0, 1)")
+    targets = lora.target_modules
+    need(targets is None or (len(targets) > 0 and all(isinstance(t, str) for t in targets)),
+         "model.lora.target_modules", targets, "must be a non-empty list of linear layer names (e.g. [q_proj, v_proj]), "
+         "or null for every attention and MLP projection")
+
+
+def advantage_method_of(name: str) -> AdvantageMethod:
+    """The method ``advantage.name`` names: fgrpo's by name, or a user's function by import path (loaded here; its
+    declaration, or none, then known under that path). ConfigError listing the choices otherwise."""
+    known = methods()
+    if name in known:
+        return known[name]
+    if not is_import_path(name):
+        raise ConfigError(f"advantage.name={name!r}: must be one of {tuple(known)} (advantage=<name>), or a function "
+                          "of yours by import path (advantage.name=\"my_adv.py:my_method\", docs/tasks.md)")
+    fn = load_function(name, "advantage.name")
+    method = getattr(fn, "advantage_method", None) or AdvantageMethod(name, fn)
+    declare(name, method)
+    return method
+
+
+def _check_advantage(cfg, need) -> None:
+    """The advantage method, its declared parameters' ranges and what it combines with, through :func:`validate`'s
+    ``need``: all from the method's declaration (fgrpo.algorithm.advantage_registry)."""
+    adv = cfg.advantage
+    try:
+        method = advantage_method_of(adv.name)
+    except ConfigError as error:
+        need(False, "advantage.name", adv.name, str(error).split(": ", 1)[1])
+        return
+    for param_name, param in method.params.items():
+        key = method.key(param_name)
+        value = cfg.get("focal", {}).get("gamma", 0.0) if key == GAMMA_KEY else adv.get(param_name, param.default)
+        problem = param.problem(value, lambda bound: _select(cfg, bound))
+        need(problem is None, key, value, problem or "")
+    if all(method.key(p) != GAMMA_KEY for p in method.params):
+        need(cfg.focal.gamma == 0, "focal.gamma", cfg.focal.gamma,
+             f"weights advantage=focal only: use advantage=focal, or focal.gamma=0 with advantage={adv.name}")
+    schema = {"name", *(key for m in methods().values() for key in m.params)}
+    for key in adv:
+        need(key in schema or key in method.params, f"advantage.{key}", adv[key],
+             f"is not a parameter of advantage={adv.name} (its parameters: {sorted(method.params) or 'none'})")
+    # these read the 0/1 verdicts (or need rewards >= 0): DAPO's overlong penalty would be ignored or break them
+    need(not (cfg.algo.overlong_shaping and not method.shaped_rewards), "algo.overlong_shaping", True,
+         f"advantage={adv.name} reads whether each sample is correct, not shaped rewards (MaxRL divides by the "
+         "mean reward, which a penalty can make <= 0): set algo.overlong_shaping=false, or use advantage=focal, "
+         "dr_grpo or unlikeliness")
+
+
+def _select(cfg, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = node.get(part) if hasattr(node, "get") else None
+    return node
+
+
+def _check_dataset(dataset, need, problems: list[str]) -> None:
+    """``dataset.*``: its kind, the reward functions (fgrpo.rewards.entries; their files must exist), the pool, the
+    prompt's template or messages, a generator."""
+    from fgrpo.rewards.entries import reward_entries
+    from fgrpo.rewards.pool import AUTO_WORKERS
+    from fgrpo.rollout.data import DATASET_KINDS
+    from fgrpo.rollout.rows import template_fields
+
+    need(dataset.kind in DATASET_KINDS, "dataset.kind", dataset.kind, f"must be one of {DATASET_KINDS}")
+    try:
+        reward_entries(dataset.rewards)
+    except ConfigError as error:
+        problems.extend(line.strip() for line in str(error).splitlines()[1:] or [str(error)])
+    workers = dataset.reward_workers
+    need(workers == AUTO_WORKERS or (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1),
+         "dataset.reward_workers", workers, f"must be {AUTO_WORKERS} or an int >= 1 (a user's reward functions "
+         f"always run in workers; 1: one); e.g. dataset.reward_workers={AUTO_WORKERS} or dataset.reward_workers=4")
+    need(dataset.reward_timeout_s > 0, "dataset.reward_timeout_s", dataset.reward_timeout_s,
+         "must be > 0 (seconds one call may take, e.g. 5.0)")
+    if dataset.prompt_template is not None:
+        try:
+            template_fields(dataset.prompt_template)
+        except ConfigError as error:
+            problems.append(str(error))
+    need(dataset.prompt_template is None or dataset.messages_field is None, "dataset.messages_field",
+         dataset.messages_field, "takes the prompt from a column of chat messages, and dataset.prompt_template builds "
+         "it from columns: set one of them to null")
+    if dataset.kind == "generator":
+        need(is_import_path(dataset.generator or ""), "dataset.generator", dataset.generator,
+             "dataset.kind=generator needs the function that makes the rows: dataset.generator=\"my_task.py:generate\"")
+        need(dataset.generator_n_eval >= 1, "dataset.generator_n_eval", dataset.generator_n_eval,
+             "must be >= 1 (rows held out for evaluation)")
+
+
+def _check_learner_layout(hw, need, attentions: tuple) -> None:
+    """The learner's layout keys (micro-batches, packing, attention kernel, kept matmul outputs), through
+    :func:`validate`'s ``need``."""
+    need(hw.micro_batch_size >= 1, "hardware.micro_batch_size", hw.micro_batch_size, "must be >= 1")
+    tokens = hw.get("micro_batch_tokens")
+    whole = isinstance(tokens, int) and not isinstance(tokens, bool)
+    need(tokens is None or (whole and tokens >= 1) or (tokens == "auto" and hw.device == "cuda"),
+         "hardware.micro_batch_tokens", tokens, "must be >= 1, null to pad each sequence, or auto on a GPU (sized from "
+         "its memory; on the CPU set a number, e.g. 4096)")
+    need(hw.attention in attentions, "hardware.attention", hw.attention,
+         f"must be one of {attentions}")
+    need(hw.attention != "flex" or hw.device == "cuda", "hardware.attention", "flex",
+         "runs on CUDA only (torch's flex_attention has no backward on the CPU): on the CPU set "
+         "hardware.attention=segments (the CPU's packed kernel), or use hardware=gpu")
+    need(hw.attention != "flex" or tokens is not None, "hardware.attention", "flex",
+         "attends within packed rows: set hardware.micro_batch_tokens (e.g. 16384), or hardware.attention=sdpa for "
+         "padded micro-batches")
+    need(not hw.get("share_prompts") or tokens is not None, "hardware.share_prompts", True,
+         "needs packed rows: set hardware.micro_batch_tokens (e.g. 4096), or hardware.share_prompts=false")
+    kept = hw.keep_matmul_outputs_gib
+    numeric = isinstance(kept, (int, float)) and not isinstance(kept, bool)
+    need(kept == "auto" or (numeric and kept >= 0), "hardware.keep_matmul_outputs_gib", kept,
+         "must be auto or >= 0 (GiB per micro-batch; 0 keeps none)")
+    need(kept in ("auto", 0) or (hw.gradient_checkpointing and hw.compile_learner),
+         "hardware.keep_matmul_outputs_gib", kept, "chooses what gradient checkpointing keeps inside compiled layers: "
+         "set hardware.gradient_checkpointing=true and hardware.compile_learner=true, or set it to 0")
+
+
+
+# the magnitude of a typical weight of a trained LLM's linear layers (Qwen2.5-7B's: std about 0.02, median |w| about
+# 0.013): the scale at which the bf16 / fp16 spacing is judged against the learning rate
+TYPICAL_WEIGHT = 0.01
+
+
+def smallest_kept_lr(weight_dtype: str) -> float:
+    """The learning rate below which an AdamW step (about ``lr`` per weight) is under half the spacing of
+    ``weight_dtype`` at :data:`TYPICAL_WEIGHT`, so the weight does not change: bfloat16 3.9e-5, float16 4.9e-6."""
+    mantissa_bits = {"float32": 23, "bfloat16": 7, "float16": 10}[weight_dtype]
+    return TYPICAL_WEIGHT * 2.0 ** -mantissa_bits / 2
+
+
+
+def validate_layout(cfg: DictConfig | Config, world: int) -> None:
+    """Checks of the config against the number of processes the run was launched with (``world``)."""
+    problems = []
+    prompts, tensor_parallel = cfg.trainer.prompts_per_step, cfg.sampler.tensor_parallel_size
+    if prompts % world:
+        fits = [str(n) for n in range(2, 2 * world + 1) if prompts % n == 0]
+        launch = f"; or launch {', '.join(fits)} processes" if fits else ""
+        problems.append(f"trainer.prompts_per_step={prompts} does not divide over {world} processes (each rank takes "
+                        f"an equal share of the prompts): use a multiple of {world} (e.g. {world * -(-prompts // world)})"
+                        + launch)
+    if world % tensor_parallel:
+        problems.append(f"sampler.tensor_parallel_size={tensor_parallel} does not divide the {world} processes "
+                        "(each vLLM engine spans that many ranks): use a divisor of the world size, e.g. 1")
+    if problems:
+        raise ConfigError("invalid config for this launch:\n  " + "\n  ".join(problems))
+
+
