@@ -129,7 +129,7 @@ class DatasetConfig:
     prompt_template: Optional[str] = None
     messages_field: Optional[str] = None  # a column of chat messages taken as the prompt (verl's files: prompt)
     generator: Optional[str] = None  # kind=generator: "file.py:function" returning a list of row dicts
-    generator_args: dict = field(default_factory=dict)  # its keyword arguments (a seed among them)
+    generator_args: Any = None  # its keyword arguments (a seed among them), e.g. {seed: 0, count: 200}
     generator_n_eval: int = 40  # kind=generator: its first rows, this many, are held out for evaluation
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     train: Optional[DataSourceConfig] = None

@@ -228,7 +228,8 @@ def load_data(dataset_cfg, *, instruction: str = "", require_answer: bool = True
         train, held_out = arithmetic_problems(ops=tuple(a.ops), max_operand=a.max_operand, seed=a.seed, n_eval=a.n_eval)
         return Data(train=with_prompts(train, instruction), eval={dataset_cfg.name: with_prompts(held_out, instruction)})
     if dataset_cfg.kind == "generator":
-        train, held_out = generated_problems(dataset_cfg.generator, dataset_cfg.generator_args, name=dataset_cfg.name,
+        args = OmegaConf.to_container(dataset_cfg.generator_args) if dataset_cfg.generator_args is not None else {}
+        train, held_out = generated_problems(dataset_cfg.generator, args, name=dataset_cfg.name,
                                              n_eval=dataset_cfg.generator_n_eval, fmt=fmt)
         return Data(train=with_prompts(train, instruction), eval={dataset_cfg.name: with_prompts(held_out, instruction)})
     if dataset_cfg.train is None or not dataset_cfg.eval:

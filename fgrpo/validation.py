@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from fgrpo.algorithm.advantage_registry import GAMMA_KEY, AdvantageMethod, declare, methods
-from fgrpo.config import Config, learning_rate
+from fgrpo.config import AdvantageConfig, Config, learning_rate
 from fgrpo.infra.errors import ConfigError
 from fgrpo.infra.user_code import is_import_path, load_function
 
@@ -153,7 +153,7 @@ def _check_advantage(cfg, need) -> None:
     if all(method.key(p) != GAMMA_KEY for p in method.params):
         need(cfg.focal.gamma == 0, "focal.gamma", cfg.focal.gamma,
              f"weights advantage=focal only: use advantage=focal, or focal.gamma=0 with advantage={adv.name}")
-    schema = {"name", *(key for m in methods().values() for key in m.params)}
+    schema = set(AdvantageConfig.__dataclass_fields__)  # the built-in methods' keys, always there
     for key in adv:
         need(key in schema or key in method.params, f"advantage.{key}", adv[key],
              f"is not a parameter of advantage={adv.name} (its parameters: {sorted(method.params) or 'none'})")
@@ -201,6 +201,8 @@ def _check_dataset(dataset, need, problems: list[str]) -> None:
     if dataset.kind == "generator":
         need(is_import_path(dataset.generator or ""), "dataset.generator", dataset.generator,
              "dataset.kind=generator needs the function that makes the rows: dataset.generator=\"my_task.py:generate\"")
+        need(dataset.generator_args is None or hasattr(dataset.generator_args, "keys"), "dataset.generator_args",
+             dataset.generator_args, "must be the generator's keyword arguments, e.g. {seed: 0, count: 200}")
         need(dataset.generator_n_eval >= 1, "dataset.generator_n_eval", dataset.generator_n_eval,
              "must be >= 1 (rows held out for evaluation)")
 

@@ -32,6 +32,7 @@ STEP_KEYS = [
     "train/loss", "train/clip_frac_low", "train/clip_frac_high", "train/approx_kl", "train/entropy",
     "train/completion_len_mean", "train/completion_len_max", "train/truncated_frac",
     "perf/sampler_tokens_per_s", "perf/learner_tokens_per_s", "perf/step_time_s", "perf/verify_time_s",
+    "train/reward/numeric", "train/reward_errors", "train/skipped_prompts",
 ]
 
 

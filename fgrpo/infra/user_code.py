@@ -115,7 +115,11 @@ def _import_file(path: str, spec: str, key: str):
     return module
 
 
-def _traceback_tail(error: BaseException, lines: int = 12) -> str:
-    """The last lines of ``error``'s traceback, indented."""
-    text = "".join(traceback.format_exception(error)).rstrip().splitlines()
+def _traceback_tail(error: BaseException, lines: int = 30) -> str:
+    """``error``'s traceback without the import machinery's frames (importlib's, this module's), indented: the
+    user's code and what it called, the last ``lines`` lines of it."""
+    summary = traceback.TracebackException.from_exception(error)
+    summary.stack = traceback.StackSummary.from_list(
+        [frame for frame in summary.stack if not frame.filename.startswith("<frozen ") and frame.filename != __file__])
+    text = "".join(summary.format()).rstrip().splitlines()
     return "\n".join("    " + line for line in text[-lines:])

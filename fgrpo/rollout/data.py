@@ -65,6 +65,7 @@ class RowFormat:
     prompt_template: str | None = None
     instruction: str = ""  # model.instruction: after the question; in a template where it says {instruction}
     require_answer: bool = True
+    generated: bool = False  # rows of a user's generator (errors say what its rows must hold)
 
 
 ARITHMETIC_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -174,7 +175,7 @@ def generated_problems(spec: str, args: Mapping[str, Any], *, name: str, n_eval:
     if len(rows) <= n_eval:
         raise DataError(f"dataset.generator={spec!r} made {len(rows)} rows, which leaves none for training after "
                         f"dataset.generator_n_eval={n_eval} held out: make more rows or lower dataset.generator_n_eval")
-    where = f"generator {spec}"
+    where, fmt = f"generator {spec}", replace(fmt, generated=True)
     held_out = rows_to_problems(rows[:n_eval], where=where, name=name, fmt=fmt)
     train = rows_to_problems(rows[n_eval:], where=where, name=name, fmt=fmt, id_prefix=f"{name}/train",
                              rows_before=n_eval)
@@ -184,16 +185,20 @@ def generated_problems(spec: str, args: Mapping[str, Any], *, name: str, n_eval:
 # --- files and hub datasets ------------------------------------------------------------------
 
 
-def _row_error(row: Mapping[str, Any], where: str, row_number: int, field_name: str, value, role: str) -> DataError:
+def _row_error(row: Mapping[str, Any], where: str, row_number: int, field_name: str, value, role: str,
+               generated: bool = False) -> DataError:
     """The error for a row whose question or answer cannot be used, listing what the row has."""
     present = [key for key, item in row.items() if item is not None and item != ""]
     got = "missing or null" if value is MISSING or value is None else f"got {value!r:.80}"
-    return DataError(
-        f"{where}: row {row_number} (counting from 1) has no usable {role} field '{field_name}' ({got}); "
-        f"the row has fields {present}. If the {role} is under another name or nested, pass "
-        f"{role}_field=<name or dotted.path> (in a config: dataset.train.{role}_field=<name> or "
-        f"dataset.eval.<i>.{role}_field=<name>)"
-    )
+    if generated:
+        fix = (f"a generator's row holds the {role} under '{field_name}'" + (
+            " (or set dataset.prompt_template or dataset.messages_field)" if role == "question" else
+            " where a reward function takes answer or ground_truth"))
+    else:
+        fix = (f"if the {role} is under another name or nested, pass {role}_field=<name or dotted.path> (in a config: "
+               f"dataset.train.{role}_field=<name> or dataset.eval.<i>.{role}_field=<name>)")
+    return DataError(f"{where}: row {row_number} (counting from 1) has no usable {role} field '{field_name}' ({got}); "
+                     f"the row has fields {present}. {fix[0].upper()}{fix[1:]}")
 
 
 def rows_to_problems(rows: list[Mapping[str, Any]], *, where: str, name: str, fmt: RowFormat,
@@ -223,12 +228,12 @@ def rows_to_problems(rows: list[Mapping[str, Any]], *, where: str, name: str, fm
             raw_question = field_value(row, fmt.question_field)
             question = question_text(raw_question)
             if question is None:
-                raise _row_error(row, where, number, fmt.question_field, raw_question, "question")
+                raise _row_error(row, where, number, fmt.question_field, raw_question, "question", fmt.generated)
             prompt = None  # the question with model.instruction: with_prompts
         raw_answer = field_value(row, fmt.answer_field)
         answer = answer_text(raw_answer)
         if answer is None and fmt.require_answer:
-            raise _row_error(row, where, number, fmt.answer_field, raw_answer, "answer")
+            raise _row_error(row, where, number, fmt.answer_field, raw_answer, "answer", fmt.generated)
         problems.append(Problem(id=f"{id_prefix or name}/{index}", question=question, answer=answer, source=name,
                                 prompt=prompt, fields=dict(row)))
     return problems
