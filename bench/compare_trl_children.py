@@ -213,16 +213,15 @@ def trl_dataset(cfg, tokenizer):
     from datasets import Dataset
 
     from fgrpo.prepare import encode_prompt, load_data
-    from fgrpo.rollout.data import build_prompt
     from fgrpo.rollout.rollouts import ProblemStream
 
-    data = load_data(cfg.dataset)
+    data = load_data(cfg.dataset, instruction=cfg.model.instruction)
     first_epoch = ProblemStream(data.train, seed=cfg.seed).take(len(data.train))
     return Dataset.from_list([
         {
-            "prompt": [{"role": "user", "content": build_prompt(q.question, instruction=cfg.model.instruction)}],
+            "prompt": [{"role": "user", "content": q.prompt}],
             "answer": q.answer,
-            "n_prompt_tokens": len(encode_prompt(tokenizer, cfg.model, q.question)),
+            "n_prompt_tokens": len(encode_prompt(tokenizer, cfg.model, q)),
         }
         for q in first_epoch
     ])
@@ -260,15 +259,16 @@ def child_trl(spec: dict) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
+    from fgrpo.infra.user_code import load_function
     from fgrpo.learner.model import resolve_model_folder
-    from fgrpo.rollout.verifier import make_verifier
+    from fgrpo.rewards.entries import reward_entries
 
     p, g, t = spec["workload"]
     cfg = compose_config(spec)
     folder = resolve_model_folder(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     dataset = trl_dataset(cfg, tokenizer)
-    verify = make_verifier(cfg.dataset.verifier)
+    verify = load_function(reward_entries(cfg.dataset.rewards)[0].target, "dataset.rewards[0].fn")  # fgrpo's check
     now = {"sample_s": 0.0, "score_s": 0.0, "prep_s": 0.0, "generated_tokens": 0, "prompt_tokens": 0}
 
     def numeric_reward(completions, answer, completion_ids, n_prompt_tokens, **_):

@@ -55,7 +55,8 @@ def policy_and_prompts(args):
         cfg = compose("config", overrides=[f"model={args.model}"])
     folder = resolve_model_folder(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    prompts = [encode_prompt(tokenizer, cfg.model, q.question) for q in load_data(cfg.dataset).train[: args.workload[0]]]
+    prompts = [encode_prompt(tokenizer, cfg.model, q)
+               for q in load_data(cfg.dataset, instruction=cfg.model.instruction).train[: args.workload[0]]]
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     settings = LoraSettings(rank=args.rank, alpha=2.0 * args.rank, dropout=0.0, target_modules=None)
     apply_lora(model, settings)

@@ -1,8 +1,9 @@
 """fgrpo: an experiment runner for F-GRPO (arXiv 2602.06717) and its GRPO / DAPO / CISPO baselines.
 
-The package in layers (docs/architecture.md): algorithm/ and infra/ at the bottom; learner/, rollout/ and evaluation/
-above them; config.py, prepare.py (the setup every entry point shares), checkpointing.py, step_metrics.py and the loop
-in train.py; the command-line tools python -m fgrpo.evaluate | compare | rare_nll | report | export | theory on top.
+The package in layers (docs/architecture.md): algorithm/ and infra/ at the bottom; rewards/ (a run's reward functions,
+a user's by import path: docs/tasks.md), learner/, rollout/ and evaluation/ above them; config.py, validation.py,
+prepare.py (the setup every entry point shares), checkpointing.py, step_metrics.py and the loop in train.py; the
+command-line tools python -m fgrpo.evaluate | compare | rare_nll | report | export | theory on top.
 
 The algorithm core is importable without the runner's dependencies:
 

@@ -15,7 +15,9 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from fgrpo.algorithm.advantage_registry import GAMMA_KEY, methods
+from fgrpo.algorithm.advantage_methods import methods
+from fgrpo.algorithm.advantage_registry import GAMMA_KEY
+from fgrpo.infra.run_files import upgraded_config
 
 # the values of hardware.autocast_dtype and hardware.sampler_dtype (fgrpo.infra.precision settles auto); null autocast
 # means the same as float32: the matmuls run in the weights' own dtype
@@ -300,7 +302,7 @@ FIXED_HARDWARE_KEYS = ("hardware.learner_dtype",)
 def experiment_differences(saved: dict, current: dict) -> list[str]:
     """``key: saved -> current`` for each config key whose change would make a resumed run another experiment
     (algo, gamma, model, data, group size, lr, seed ...); those in :data:`RESUMABLE_KEYS` may change."""
-    flat_saved, flat_current = _flatten(upgraded(saved)), _flatten(current)
+    flat_saved, flat_current = _flatten(upgraded_config(saved)), _flatten(current)
     for flat in (flat_saved, flat_current):  # an unset lr is its default (a run saved before null meant it: 1e-5)
         if "trainer.lr" in flat:
             flat["trainer.lr"] = learning_rate(flat["trainer.lr"], flat.get("model.lora.rank"))
@@ -327,21 +329,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
             flat[f"{prefix}{key}"] = value
     return flat
 
-
-
-def upgraded(saved: dict) -> dict:
-    """A config saved by an older fgrpo in today's keys: ``dataset.verifier: <kind>`` (before 2026-12-01) is the
-    one-entry ``dataset.rewards`` list of that built-in check, ``verifier_timeout_s`` and ``verifier_workers`` are
-    ``reward_timeout_s`` and ``reward_workers``."""
-    dataset = dict(saved.get("dataset") or {})
-    if "verifier" not in dataset:
-        return saved
-    dataset["rewards"] = [{"fn": dataset.pop("verifier"), "name": None, "weight": 1.0, "verdict": False,
-                           "threshold": 1.0}]
-    for old, new in (("verifier_timeout_s", "reward_timeout_s"), ("verifier_workers", "reward_workers")):
-        if old in dataset:
-            dataset[new] = dataset.pop(old)
-    return {**saved, "dataset": dataset}
 
 
 def to_container(cfg: DictConfig) -> dict:

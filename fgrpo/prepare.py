@@ -1,7 +1,7 @@
 """The setup every entry point shares (run.py's training, fgrpo.evaluate, fgrpo.rare_nll build), in the order that
-makes bad input fail cheaply: the config's ranges -> the reward functions (loaded where they run) -> the data (and
-the functions' parameters against its columns) -> the sampler's package and the device -> the model's folder -> the
-precision this machine runs fast -> every prompt's token ids. :func:`prepare` runs it and
+makes bad input fail cheaply: the config's ranges -> the sampler's package and the device -> the reward functions
+(loaded where they run) -> the data (and the functions' parameters against its columns; the same on every rank) ->
+the model's folder -> the precision this machine runs fast -> every prompt's token ids. :func:`prepare` runs it and
 returns a :class:`Run`; nothing here loads the model's weights.
 
 The pieces the loop builds from a config (the learner's and the loss's settings, the sampler, the tracker) are here
@@ -10,6 +10,8 @@ too, so that a second entry point makes them the same way.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import random
@@ -21,7 +23,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fgrpo.algorithm.advantage_registry import GAMMA_KEY, AdvantageSettings
+from fgrpo.algorithm.advantage_methods import AdvantageSettings
+from fgrpo.algorithm.advantage_registry import GAMMA_KEY
 from fgrpo.algorithm.losses import LossSettings
 from fgrpo.config import learning_rate, to_container
 from fgrpo.evaluation.rare_set import RareSet, check_vocabulary, load_rare_set
@@ -29,7 +32,7 @@ from fgrpo.infra import distributed
 from fgrpo.infra.checkpoint import Resumed
 from fgrpo.infra.determinism import check_deterministic_settings, make_deterministic
 from fgrpo.infra.distributed import SINGLE, Ranks
-from fgrpo.infra.errors import ConfigError
+from fgrpo.infra.errors import ConfigError, DataError
 from fgrpo.infra.precision import Precision, resolve_precision
 from fgrpo.infra.process_memory import bound_kernel_caches, keep_freed_memory
 from fgrpo.infra.tracking import NoTracker, Tracker
@@ -41,7 +44,8 @@ from fgrpo.learner.lora import lora_settings_of
 from fgrpo.learner.model import load_tokenizer, resolve_model_folder
 from fgrpo.rewards.entries import reward_entries
 from fgrpo.rewards.scoring import Scorer
-from fgrpo.rollout.data import Problem, RowFormat, arithmetic_problems, generated_problems, load_problems, with_prompts
+from fgrpo.rollout.data import (Problem, RowFormat, arithmetic_problems, generated_problems, load_problems, templated,
+                                with_prompts)
 from fgrpo.rollout.samplers import HFSampler, Sampler, VLLMSampler, check_vllm_dtype, require_vllm
 from fgrpo.validation import advantage_method_of, validate, validate_layout
 
@@ -77,6 +81,18 @@ def prepare(cfg: DictConfig, ranks: Ranks = SINGLE, *, saved_config: Path | None
     Several ranks: each checks, and if any fails all raise the first failure (distributed.agree), so rank 0 can say
     why and no rank is left waiting in a collective."""
     data, scorer = distributed.agree(lambda: check_inputs(cfg, ranks.world, training=training, check_data=check_data))
+    try:
+        return _prepare_checked(cfg, ranks, data, scorer, saved_config, training, model_folder)
+    except BaseException:
+        scorer.close()  # its workers started in check_inputs
+        raise
+
+
+def _prepare_checked(cfg: DictConfig, ranks: Ranks, data: Data, scorer: Scorer, saved_config: Path | None,
+                     training: bool, model_folder: Callable[[], Path] | None) -> Run:
+    """:func:`prepare` after the inputs' checks: the same data on every rank, the model's folder, seeds and threads,
+    the precision, every prompt's token ids."""
+    same_data_on_every_rank(data)
     folder = distributed.agree(lambda: _weights_folder(cfg, ranks.world, training, model_folder))
     hw = cfg.hardware
     # the layout settled from rank 0's card for all: ranks that ran different micro-batch counts would hang
@@ -103,6 +119,17 @@ def prepare(cfg: DictConfig, ranks: Ranks = SINGLE, *, saved_config: Path | None
     return Run(data, scorer, folder, tokenizer, prompt_ids, precision, rare_set)
 
 
+def same_data_on_every_rank(data: Data) -> None:
+    """Every rank read (or generated) the same problems, else DataError on all of them: a generator that is not
+    seeded by its arguments, or files that differ between nodes, would give ranks other problems under one id."""
+    digests = distributed.gather_objects(data.digest())
+    if len(set(digests)) > 1:
+        differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+        raise DataError(f"ranks {differing} loaded other problems than rank 0 (other prompts or answers under the same "
+                        "ids): a generator must make the same rows from the same dataset.generator_args (seed it from "
+                        "them), and every node must see the same data files")
+
+
 def _weights_folder(cfg: DictConfig, world: int, training: bool, model_folder: Callable[[], Path] | None) -> Path:
     folder = model_folder() if model_folder is not None else resolve_model_folder(cfg.model)
     if training and cfg.hardware.device == "cuda":
@@ -122,14 +149,23 @@ def _checked_rare_set(path: str, vocab_size: int) -> RareSet:
 
 def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
                  check_data: Callable[[Data], None] | None = None) -> tuple[Data, Scorer]:
-    """The config's ranges (and, training, its fit to ``world`` processes), the reward functions (loaded where they
-    run), the data and the functions' parameters against its columns, the sampler's package and the device (and,
-    training, the compiler of compiled layers)."""
+    """The config's ranges (and, training, its fit to ``world`` processes), the sampler's package and the device (and,
+    training, the compiler of compiled layers), the reward functions (loaded where they run: their workers start), the
+    data and the functions' parameters against its columns."""
     validate(cfg)
     check_deterministic_settings(cfg)
     if training:
         validate_layout(cfg, world)
         warn_if_same_as_grpo(cfg)
+    hw = cfg.hardware
+    if cfg.sampler.name == "vllm":
+        require_vllm()
+    if hw.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("hardware=gpu (hardware.device=cuda) but torch sees no CUDA device: use hardware=cpu")
+    if training and hw.compile_learner and hw.device == "cpu":
+        require_cpp_compiler()
+    if training and hw.attention == "flex":
+        require_flex(hw.device)
     scorer = Scorer(reward_entries(cfg.dataset.rewards), workers=cfg.dataset.reward_workers,
                     timeout_s=cfg.dataset.reward_timeout_s)
     try:
@@ -142,15 +178,6 @@ def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
     except BaseException:
         scorer.close()
         raise
-    hw = cfg.hardware
-    if cfg.sampler.name == "vllm":
-        require_vllm()
-    if hw.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("hardware=gpu (hardware.device=cuda) but torch sees no CUDA device: use hardware=cpu")
-    if training and hw.compile_learner and hw.device == "cpu":
-        require_cpp_compiler()
-    if training and hw.attention == "flex":
-        require_flex(hw.device)
     return data, scorer
 
 
@@ -212,6 +239,12 @@ class Data:
     train: list[Problem]
     eval: dict[str, list[Problem]]  # dataset name -> held-out problems
 
+    def digest(self) -> str:
+        """A hash of every problem's id, prompt and answer: equal on ranks that loaded the same problems."""
+        problems = self.train + [p for name in sorted(self.eval) for p in self.eval[name]]
+        text = json.dumps([(p.id, p.prompt, p.answer) for p in problems], default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
+
     def columns(self) -> set[str]:
         """The columns every problem's row has (what a reward function's parameter may name)."""
         problems = self.train + [p for problems in self.eval.values() for p in problems]
@@ -226,6 +259,9 @@ def load_data(dataset_cfg, *, instruction: str = "", require_answer: bool = True
     if dataset_cfg.kind == "arithmetic":
         a = dataset_cfg.arithmetic
         train, held_out = arithmetic_problems(ops=tuple(a.ops), max_operand=a.max_operand, seed=a.seed, n_eval=a.n_eval)
+        if fmt.prompt_template is not None:  # over each problem's fields: question, answer, a, op, b
+            train, held_out = (templated(problems, fmt.prompt_template, instruction=instruction, where=where)
+                               for problems, where in ((train, "arithmetic (train)"), (held_out, "arithmetic (eval)")))
         return Data(train=with_prompts(train, instruction), eval={dataset_cfg.name: with_prompts(held_out, instruction)})
     if dataset_cfg.kind == "generator":
         args = OmegaConf.to_container(dataset_cfg.generator_args) if dataset_cfg.generator_args is not None else {}

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from fgrpo.algorithm.advantage_registry import compute_advantages, method_label
+from fgrpo.algorithm.advantage_methods import compute_advantages, method_label
 from fgrpo.checkpointing import Checkpoints, EvalHistory, plan_resume
 from fgrpo.evaluation.held_out import append_counts, evaluate
 from fgrpo.evaluation.plots import plot_pass_at_k
@@ -49,10 +49,17 @@ def train(
     ``overrides`` (the command line's) go into the W&B config beside the composed config. ``saved_config``:
     the run's saved config file (Hydra's ``.hydra/config.yaml``), rewritten with the settled precision.
     """
-    from tqdm.auto import tqdm
-
     ranks = distributed.init_from_env(single_process_group=cfg.hardware.fsdp)  # several processes (torchrun, Slurm tasks): each its share of the prompts
     run = prepare(cfg, ranks, saved_config=saved_config)
+    with contextlib.closing(run.scorer):  # the reward workers end with the run, however it ends
+        return train_prepared(cfg, run, run_dir, ranks, run_name=run_name, overrides=overrides)
+
+
+def train_prepared(cfg: DictConfig, run: Run, run_dir: Path, ranks: Ranks, *, run_name: str | None = None,
+                   overrides: list[str] | None = None) -> dict[str, float]:
+    """:func:`train` after :func:`~fgrpo.prepare.prepare`: the model, the sampler, the steps and evaluations."""
+    from tqdm.auto import tqdm
+
     # before the model loads (a refusal is cheap); rank 0's answer, so that every rank takes the same path
     resuming = distributed.from_rank0(distributed.agree(lambda: plan_resume(cfg, run_dir, ranks)))
     ranks = dataclasses.replace(ranks, tensor_parallel=cfg.sampler.tensor_parallel_size)
@@ -90,7 +97,6 @@ def train(
             final = finish(cfg, run_dir, tracker, learner, run.tokenizer, history, ranks)
     if stopped_at is not None:
         exit_code, failure = signals.hand_over(stopped_at, run_dir)
-    run.scorer.close()
     sampler.close()  # vLLM's shutdown takes the process group down with it: last
     distributed.close()
     if stopped_at is not None:
@@ -115,7 +121,9 @@ def learn_step(cfg: DictConfig, step: int, run: Run, sampler, learner: Learner, 
     groups = collect_groups(draw, stream, cfg.trainer.prompts_per_step, seed=cfg.seed * 100_003 + step,
                             dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.max_sampling_rounds, ranks=ranks)
     timings = {"sample": time.perf_counter() - step_start - groups.verify_time_s, "verify": groups.verify_time_s}
-    skipped, errors = distributed.sum_over_ranks([groups.skipped_prompts, groups.reward_errors])
+    # an engine's ranks (tensor parallel) scored the same draw: its failed calls count once, its dropped prompts per rank
+    errors_here = groups.reward_errors if ranks.rank % ranks.tensor_parallel == 0 else 0
+    skipped, errors = distributed.sum_over_ranks([groups.skipped_prompts, errors_here])
     metrics = {"train/skipped_prompts": skipped, "train/reward_errors": errors}
     if distributed.sum_over_ranks([len(groups)])[0]:  # every rank updates, with groups of its own or none
         rewards = groups.rewards.clone()  # the weighted sum of the reward functions (fgrpo.rewards)

@@ -8,11 +8,13 @@ The lists of allowed names live with the code that implements them and are impor
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from omegaconf import DictConfig
 
-from fgrpo.algorithm.advantage_registry import GAMMA_KEY, AdvantageMethod, declare, methods
+from fgrpo.algorithm.advantage_methods import methods
+from fgrpo.algorithm.advantage_registry import GAMMA_KEY, AdvantageMethod, declare
 from fgrpo.config import AdvantageConfig, Config, learning_rate
 from fgrpo.infra.errors import ConfigError
 from fgrpo.infra.user_code import is_import_path, load_function
@@ -188,13 +190,16 @@ def _check_dataset(dataset, need, problems: list[str]) -> None:
     need(workers == AUTO_WORKERS or (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1),
          "dataset.reward_workers", workers, f"must be {AUTO_WORKERS} or an int >= 1 (a user's reward functions "
          f"always run in workers; 1: one); e.g. dataset.reward_workers={AUTO_WORKERS} or dataset.reward_workers=4")
-    need(dataset.reward_timeout_s > 0, "dataset.reward_timeout_s", dataset.reward_timeout_s,
-         "must be > 0 (seconds one call may take, e.g. 5.0)")
+    need(0 < dataset.reward_timeout_s < math.inf, "dataset.reward_timeout_s", dataset.reward_timeout_s,
+         "must be a finite number > 0 (seconds one call may take, e.g. 5.0)")
     if dataset.prompt_template is not None:
         try:
             template_fields(dataset.prompt_template)
         except ConfigError as error:
             problems.append(str(error))
+    need(dataset.messages_field is None or dataset.kind != "arithmetic", "dataset.messages_field",
+         dataset.messages_field, "dataset=arithmetic has no column of chat messages: set it to null (a prompt_template "
+         "can use the columns question, answer, a, op and b)")
     need(dataset.prompt_template is None or dataset.messages_field is None, "dataset.messages_field",
          dataset.messages_field, "takes the prompt from a column of chat messages, and dataset.prompt_template builds "
          "it from columns: set one of them to null")

@@ -92,6 +92,8 @@ def test_unknown_group_option_lists_choices(compose):
         ("hardware.learner_dtype=auto", "hardware.learner_dtype='auto': must be one of ('float32', 'bfloat16', 'float16')"),
         ("advantage.name=grpo_passk", "advantage.name='grpo_passk': must be one of ('focal', 'mean_focal', 'dr_grpo', "
                                       "'maxrl', 'unlikeliness', 'w_reinforce', 'passk') (advantage=<name>)"),
+        ("dataset.reward_timeout_s=inf", "dataset.reward_timeout_s=inf: must be a finite number > 0"),
+        ("dataset.messages_field=prompt", "dataset.messages_field='prompt': dataset=arithmetic has no column of chat"),
         ("advantage=passk advantage.k=9", "advantage.k=9: must be in .1, algo.group_size=8. (the k of the pass@k"),
         ("advantage=w_reinforce advantage.lam=0", "advantage.lam=0.0: must be > 0.0 (W-REINFORCE's weight"),
         ("advantage=unlikeliness advantage.beta=1.5", "advantage.beta=1.5: must be in .0.0, 1.0. (the unlikeliness "

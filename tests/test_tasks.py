@@ -39,6 +39,14 @@ def length(prompts, completions, completion_ids, **kwargs):
 def only_additions(completion, op):
     return None if op == "*" else 0.0
 
+def per_process(count):
+    import os
+    rng = random.Random(os.getpid())  # not seeded by its arguments: each rank makes other rows
+    return [{"question": f"{rng.randint(1, 99)} + 1?", "answer": 0} for _ in range(count)]
+
+def needs_target(completion, target):
+    return 0.0
+
 def always_raises(completion):
     raise RuntimeError("this reward function has a bug")
 '''
@@ -132,6 +140,22 @@ def test_a_reward_function_failing_its_first_batch_stops_both_ranks_with_its_tra
     assert "exitcode  : 2" in done.stderr  # torchrun's record: the ranks exited with the bad-input code
     assert not [r for path in tmp_path.glob("outputs/*/*/metrics.jsonl") for r in read_metrics(path)
                 if "train/loss" in r]
+
+
+def test_a_reward_function_the_data_cannot_feed_is_refused_on_rank_0_and_both_ranks_exit(tmp_path, task_file):
+    done = torchrun("model=tiny_random", *HF, rewards(task_file, '{fn: "FILE:needs_target"}'), cwd=tmp_path)
+    assert done.returncode != 0
+    assert done.stderr.count("error: reward functions that cannot run on this data:") == 1, done.stderr[-3000:]
+    assert "no value for its parameter(s) target" in done.stderr and "exitcode  : 2" in done.stderr
+    assert not list(tmp_path.glob("outputs/*/*/metrics.jsonl"))
+
+
+def test_ranks_that_generate_other_rows_stop_before_the_model_loads(tmp_path, task_file):
+    done = torchrun("model=tiny_random", *HF, "dataset.kind=generator", f"dataset.generator={task_file}:per_process",
+                    "dataset.generator_args={count: 20}", "dataset.generator_n_eval=4", cwd=tmp_path)
+    assert done.returncode != 0
+    assert done.stderr.count("error: ranks [1] loaded other problems than rank 0") == 1, done.stderr[-3000:]
+    assert "exitcode  : 2" in done.stderr
 
 
 def test_the_countdown_example_trains(tmp_path):

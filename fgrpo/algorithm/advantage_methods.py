@@ -16,14 +16,15 @@ declarations load without it: the config schema and the reports read them.
 from __future__ import annotations
 
 from math import comb
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
-from fgrpo.algorithm.advantage_registry import GAMMA_KEY, AdvantageSettings, Param, advantage_method
+from fgrpo.algorithm.advantage_registry import GAMMA_KEY, AdvantageMethod, Param, advantage_method, declared
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["dr_grpo", "focal", "maxrl", "mean_focal", "mean_focal_weight", "passk", "unlikeliness", "w_reinforce"]
+__all__ = ["dr_grpo", "focal", "maxrl", "mean_focal", "mean_focal_weight", "passk", "unlikeliness", "w_reinforce",
+           "methods", "AdvantageSettings", "method_label", "compute_advantages"]
 
 
 @advantage_method("focal", label="gamma",
@@ -79,17 +80,19 @@ def dr_grpo(rewards: torch.Tensor, correct: torch.Tensor, settings: AdvantageSet
 @advantage_method("maxrl", shaped_rewards=False)
 def maxrl(rewards: torch.Tensor, correct: torch.Tensor, settings: AdvantageSettings,
           seq_logp: torch.Tensor | None = None) -> torch.Tensor:
-    """MaxRL (arXiv 2602.02710, Algorithm 1): ``(R - mean R) / mean R``, 0 for a group whose mean is 0. With 0/1
-    rewards a correct sample gets G/K - 1 and a wrong one -1 (K correct of G): the gradient weights a prompt by
-    about 1/p instead of GRPO's 1/sqrt(p(1-p)), so hard prompts (small p) count for more and easy ones for less,
-    an estimate of the gradient of log pass-rate (maximum likelihood) truncated at order G - 1. The paper's
-    code adds 1e-6 to the mean; we return 0 where the mean is <= 0 instead, as its Algorithm 1 writes."""
+    """MaxRL (arXiv 2602.02710, Algorithm 1): ``(R - mean R) / mean R`` on the 0/1 verdicts (the paper's binary
+    reward; a weighted sum of reward functions or a -1/+1 score would make the mean <= 0 and the method undefined),
+    0 for a group whose mean is 0. A correct sample gets G/K - 1 and a wrong one -1 (K correct of G): the gradient
+    weights a prompt by about 1/p instead of GRPO's 1/sqrt(p(1-p)), so hard prompts (small p) count for more and easy
+    ones for less, an estimate of the gradient of log pass-rate (maximum likelihood) truncated at order G - 1. The
+    paper's code adds 1e-6 to the mean; we return 0 where the mean is 0 instead, as its Algorithm 1 writes."""
     from fgrpo.algorithm.advantages import check_rewards
 
     rewards = check_rewards(rewards)
-    mean = rewards.mean(dim=1, keepdim=True)
+    verdicts = correct.to(rewards.dtype)
+    mean = verdicts.mean(dim=1, keepdim=True)
     safe = mean.where(mean > 0, mean.new_ones(()))
-    return ((rewards - mean) / safe).where(mean > 0, rewards.new_zeros(()))
+    return ((verdicts - mean) / safe).where(mean > 0, rewards.new_zeros(()))
 
 
 @advantage_method("unlikeliness", label="beta", params={
@@ -154,3 +157,69 @@ def passk(rewards: torch.Tensor, correct: torch.Tensor, settings: AdvantageSetti
         rows.append(((1.0 - solved) / spread, (1.0 - solved - fail_with_me) / spread))
     values = rewards.new_tensor(rows).reshape(-1, 2)
     return values[:, :1].where(correct > 0, values[:, 1:]).expand_as(rewards).clone()
+
+
+# --- the declarations in uses: the choices, a method's settings, its label, the call ---------------------------
+
+
+def methods() -> dict[str, AdvantageMethod]:
+    """Every declared method by name: fgrpo's own (this module's, declared above) and any a user's file declared."""
+    return declared()
+
+
+class AdvantageSettings:
+    """One method and its parameters' values (the declared defaults where not given):
+    ``AdvantageSettings("passk", k=2).k == 2``. What the config's ``advantage`` group and ``focal.gamma`` set."""
+
+    def __init__(self, method: str, **params: Any):
+        known = methods().get(method)
+        defaults = {name: param.default for name, param in known.params.items()} if known else {}
+        self.method = method
+        self.params = {**defaults, **params}
+
+    def __getattr__(self, name: str) -> Any:
+        params = self.__dict__.get("params", {})
+        if name in params:
+            return params[name]
+        raise AttributeError(f"advantage method {self.__dict__.get('method')!r} has no parameter {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AdvantageSettings) and (self.method, self.params) == (other.method, other.params)
+
+    def __repr__(self) -> str:
+        return f"AdvantageSettings({self.method!r}, {', '.join(f'{k}={v!r}' for k, v in self.params.items())})"
+
+
+def method_label(method: str, params: Mapping[str, Any], *, with_gamma: bool = True) -> str:
+    """The method with the parameter that sets it apart: ``focal gamma=1`` (``focal`` without gamma), ``passk k=4``,
+    ``maxrl``; a method not declared here (a user's, named by import path) with every parameter it was given."""
+    known = methods().get(method)
+    if known is None:
+        extra = " ".join(f"{key}={value:g}" if isinstance(value, (int, float)) else f"{key}={value}"
+                         for key, value in sorted(params.items()))
+        return f"{method} {extra}".strip()
+    shown = known.label
+    if shown is not None and known.key(shown) == GAMMA_KEY and not with_gamma:
+        shown = None
+    if shown is None or shown not in params:
+        return method
+    return f"{method} {shown}={params[shown]:g}"
+
+
+def compute_advantages(rewards, correct, settings: AdvantageSettings, seq_logp=None, step_correct=None):
+    """``[P, G]`` advantages of ``settings.method``: the one place the training loop calls. ``step_correct``: the
+    verdicts of the whole step, every rank's (``[P_all, G]``), passed to a method declared ``needs_step``; default
+    ``correct``."""
+    from fgrpo.algorithm.advantages import check_rewards
+
+    known = methods().get(settings.method)
+    if known is None:
+        raise ValueError(f"advantage method must be one of {tuple(methods())}, got {settings.method!r}")
+    rewards = check_rewards(rewards)
+    if correct.shape != rewards.shape:
+        raise ValueError(f"correct has shape {tuple(correct.shape)} but rewards {tuple(rewards.shape)}; "
+                         "pass one verdict per sample")
+    correct = correct.to(rewards.dtype)
+    if known.needs_step:
+        return known.fn(rewards, correct, settings, seq_logp, step_correct=step_correct)
+    return known.fn(rewards, correct, settings, seq_logp)

@@ -2,7 +2,8 @@
 parameters (each a :class:`Param`: default, allowed range, the config key that sets it) and what it needs from the loop
 (the whole step's verdicts; whether it takes shaped rewards). Everything else derives from the declarations: the config
 schema's ``advantage`` keys (``fgrpo.config``), the range checks and the error that lists the choices
-(``fgrpo.validation``), the labels of reports (:func:`method_label`) and the call (:func:`compute_advantages`).
+(``fgrpo.validation``), the labels of reports and the call (``method_label`` and ``compute_advantages`` in
+:mod:`fgrpo.algorithm.advantage_methods`, beside fgrpo's own methods).
 
 A user's method is the same: a decorated function in their own file, named by import path
 (``advantage.name="my_adv.py:my_method"``; its parameters ``+advantage.<name>=value``), loaded by
@@ -10,7 +11,7 @@ A user's method is the same: a decorated function in their own file, named by im
 
 Torch-free: the report labels runs from their saved configs without importing torch, and the config schema is built
 from these declarations when ``fgrpo.config`` is imported (run.py, whose import the reward workers repeat). The methods
-(:mod:`fgrpo.algorithm.advantage_methods`) import torch inside their bodies.
+(:mod:`fgrpo.algorithm.advantage_methods`) import torch inside their bodies. This module imports none of them.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["Param", "AdvantageMethod", "AdvantageSettings", "advantage_method", "methods", "method_label", "declare",
-           "compute_advantages", "REFERENCE", "GAMMA_KEY"]
+__all__ = ["Param", "AdvantageMethod", "advantage_method", "declare", "declared", "REFERENCE", "GAMMA_KEY"]
 
 REFERENCE = "focal"  # at gamma 0 the plain GRPO / DAPO / CISPO advantage: the reference of every comparison
 GAMMA_KEY = "focal.gamma"  # the focal exponent lives in its own group (focal=baseline|fgrpo)
@@ -115,66 +115,7 @@ def _where(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def methods() -> dict[str, AdvantageMethod]:
-    """Every declared method by name: fgrpo's own (imported here, on first use) and any a user's file declared."""
-    import fgrpo.algorithm.advantage_methods  # noqa: F401 - its decorators declare the built-in methods
-
+def declared() -> dict[str, AdvantageMethod]:
+    """The methods declared so far, by name (fgrpo's own once :mod:`fgrpo.algorithm.advantage_methods` is imported:
+    its ``methods()`` sees to that)."""
     return dict(_DECLARED)
-
-
-class AdvantageSettings:
-    """One method and its parameters' values (the declared defaults where not given):
-    ``AdvantageSettings("passk", k=2).k == 2``. What the config's ``advantage`` group and ``focal.gamma`` set."""
-
-    def __init__(self, method: str, **params: Any):
-        declared = methods().get(method)
-        defaults = {name: param.default for name, param in declared.params.items()} if declared else {}
-        self.method = method
-        self.params = {**defaults, **params}
-
-    def __getattr__(self, name: str) -> Any:
-        params = self.__dict__.get("params", {})
-        if name in params:
-            return params[name]
-        raise AttributeError(f"advantage method {self.__dict__.get('method')!r} has no parameter {name!r}")
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, AdvantageSettings) and (self.method, self.params) == (other.method, other.params)
-
-    def __repr__(self) -> str:
-        return f"AdvantageSettings({self.method!r}, {', '.join(f'{k}={v!r}' for k, v in self.params.items())})"
-
-
-def method_label(method: str, params: Mapping[str, Any], *, with_gamma: bool = True) -> str:
-    """The method with the parameter that sets it apart: ``focal gamma=1`` (``focal`` without gamma), ``passk k=4``,
-    ``maxrl``; a method not declared here (a user's, named by import path) with every parameter it was given."""
-    declared = methods().get(method)
-    if declared is None:
-        extra = " ".join(f"{key}={value:g}" if isinstance(value, (int, float)) else f"{key}={value}"
-                         for key, value in sorted(params.items()))
-        return f"{method} {extra}".strip()
-    shown = declared.label
-    if shown is not None and declared.key(shown) == GAMMA_KEY and not with_gamma:
-        shown = None
-    if shown is None or shown not in params:
-        return method
-    return f"{method} {shown}={params[shown]:g}"
-
-
-def compute_advantages(rewards, correct, settings: AdvantageSettings, seq_logp=None, step_correct=None):
-    """``[P, G]`` advantages of ``settings.method``: the one place the training loop calls. ``step_correct``: the
-    verdicts of the whole step, every rank's (``[P_all, G]``), passed to a method declared ``needs_step``; default
-    ``correct``."""
-    from fgrpo.algorithm.advantages import check_rewards
-
-    declared = methods().get(settings.method)
-    if declared is None:
-        raise ValueError(f"advantage method must be one of {tuple(methods())}, got {settings.method!r}")
-    rewards = check_rewards(rewards)
-    if correct.shape != rewards.shape:
-        raise ValueError(f"correct has shape {tuple(correct.shape)} but rewards {tuple(rewards.shape)}; "
-                         "pass one verdict per sample")
-    correct = correct.to(rewards.dtype)
-    if declared.needs_step:
-        return declared.fn(rewards, correct, settings, seq_logp, step_correct=step_correct)
-    return declared.fn(rewards, correct, settings, seq_logp)

@@ -36,9 +36,9 @@ def check_rewards(rewards: torch.Tensor) -> torch.Tensor:
         rewards = rewards.to(torch.get_default_dtype())
     if torch.isnan(rewards).any():
         rows = torch.isnan(rewards).any(dim=1).nonzero().flatten().tolist()
-        raise ValueError(f"rewards contain NaN (prompt rows {rows[:10]}); the verifier must return finite rewards")
+        raise ValueError(f"rewards contain NaN (prompt rows {rows[:10]}); the reward functions must return finite rewards")
     if torch.isinf(rewards).any():
-        raise ValueError("rewards contain +-inf; the verifier must return finite rewards")
+        raise ValueError("rewards contain +-inf; the reward functions must return finite rewards")
     return rewards
 
 

@@ -9,8 +9,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fgrpo.algorithm.advantage_registry import REFERENCE, methods, method_label
-from fgrpo.infra.run_files import read_metrics
+from fgrpo.algorithm.advantage_methods import method_label, methods
+from fgrpo.algorithm.advantage_registry import REFERENCE
+from fgrpo.infra.run_files import read_metrics, upgraded_config
 
 # keys that identify a table cell (with the advantage.* keys) or may differ between runs of one sweep
 CELL_KEYS = ("algo.name", "focal.gamma")
@@ -169,7 +170,7 @@ def find_runs(sweep_dir: Path) -> list[Run]:
     runs = []
     for config_file in sorted(sweep_dir.rglob(".hydra/config.yaml")):
         run_dir = config_file.parent.parent
-        config = _flatten(_load_yaml(config_file))
+        config = _flatten(upgraded_config(_load_yaml(config_file)))
         if "algo.name" not in config or "focal.gamma" not in config:
             continue
         job = (_load_yaml(config_file.parent / "hydra.yaml").get("hydra") or {}).get("job") or {}

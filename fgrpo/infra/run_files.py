@@ -1,6 +1,6 @@
 """The files of a run directory: their names (defined here once) and the few ways this project writes and reads them:
 atomic replacement (a crash leaves the old file or the new one), append-only JSON lines whose last line a crash may
-cut short, and the rows a resumed run supersedes.
+cut short, the rows a resumed run supersedes, and a saved config in today's keys (upgraded_config).
 
     RUN_DIR/
       .hydra/config.yaml      the composed config, rewritten with what the run settled (SAVED_CONFIG)
@@ -120,3 +120,18 @@ def read_jsonl(path: Path) -> list[tuple[int, Any]]:
                 break
             raise ValueError(f"{path}:{number} is not valid JSON ({error}); the file is corrupt") from error
     return rows
+
+
+def upgraded_config(saved: dict) -> dict:
+    """A config saved by an older fgrpo in today's keys: ``dataset.verifier: <kind>`` (before 2026-12-01) is the
+    one-entry ``dataset.rewards`` list of that built-in check, ``verifier_timeout_s`` and ``verifier_workers`` are
+    ``reward_timeout_s`` and ``reward_workers``."""
+    dataset = dict(saved.get("dataset") or {})
+    if "verifier" not in dataset:
+        return saved
+    dataset["rewards"] = [{"fn": dataset.pop("verifier"), "name": None, "weight": 1.0, "verdict": False,
+                           "threshold": 1.0}]
+    for old, new in (("verifier_timeout_s", "reward_timeout_s"), ("verifier_workers", "reward_workers")):
+        if old in dataset:
+            dataset[new] = dataset.pop(old)
+    return {**saved, "dataset": dataset}

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 __all__ = ["Binding", "bind", "unfilled", "sample_view", "FGRPO_NAMES", "BATCH_NAMES", "arguments",
-           "batch_arguments"]
+           "batch_arguments", "needed"]
 
 FGRPO_NAMES = ("completion", "solution_str", "answer", "ground_truth", "prompt", "completion_ids", "data_source",
                "extra_info", "timeout_s")
@@ -95,6 +95,16 @@ def sample_view(*, completion: str, completion_ids: list[int], prompt: Any, answ
                 completion_ids=list(completion_ids), timeout_s=timeout_s, data_source=source, extra_info=dict(fields))
     view.update({name: fields[name] for name in _ROW_WINS if name in fields})
     return view
+
+
+def needed(binding: Binding, view: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of ``view`` a call of this function reads (all of it for ``**kwargs``): what goes to its worker."""
+    if binding.takes_kwargs:
+        return dict(view)
+    names = set(binding.params)
+    names |= {"completion"} if "completions" in names else set()
+    names |= {"prompt"} if "prompts" in names else set()
+    return {name: view[name] for name in names if name in view}
 
 
 def arguments(binding: Binding, view: Mapping[str, Any]) -> dict[str, Any]:

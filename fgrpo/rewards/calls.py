@@ -101,7 +101,8 @@ def warm_up(targets: tuple[tuple[str, str], ...]) -> None:
 
 def run_task(request: Call | Describe) -> list[Outcome] | Binding | str:
     """What a worker of the reward pool runs: a :class:`Call`'s outcomes (one per view), or a :class:`Describe`'s
-    binding (or the message saying why the function cannot be loaded). Never raises for the function's faults."""
+    binding (or the message saying why the function cannot be loaded). Never raises for the function's faults: a
+    raise here would fail the whole batch in the pool."""
     if isinstance(request, Describe):
         try:
             return load(request.target, request.key)[1]
@@ -109,11 +110,13 @@ def run_task(request: Call | Describe) -> list[Outcome] | Binding | str:
             return str(error)
     try:
         fn, binding = load(request.target, request.key)
+        if request.batch:
+            return _batch_call(fn, binding, request)
+        return [_one_call(fn, arguments(binding, request.views[0]), request)]
     except ConfigError as error:
         return [Failed("raised", str(error))] * len(request.views)
-    if request.batch:
-        return _batch_call(fn, binding, request)
-    return [_one_call(fn, arguments(binding, request.views[0]), request)]
+    except Exception:  # noqa: BLE001 - reading what the function returned failed (a value beyond float's range)
+        return [Failed("value", user_traceback())] * len(request.views)
 
 
 def _invoke(fn: Callable, kwargs: dict, request: Call) -> Any:
@@ -207,14 +210,14 @@ def _number(value: Any) -> float | None:
     """``value`` as a float if it is a real number (bool, int, float, numpy or torch scalars), else None."""
     if isinstance(value, (str, bytes)):
         return None
-    if isinstance(value, numbers.Real):
+    if not isinstance(value, numbers.Real) and not (hasattr(value, "__float__") and getattr(value, "ndim", 0) == 0):
+        return None
+    try:
         return float(value)
-    if hasattr(value, "__float__") and getattr(value, "ndim", 0) == 0:
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            return None
-    return None
+    except (TypeError, ValueError):
+        return None
+    except OverflowError:  # an int beyond float's range: not a usable reward
+        return math.inf
 
 
 def _shown(value: Any) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 from fgrpo.infra import distributed
 from fgrpo.infra.errors import ConfigError, RewardError
-from fgrpo.rewards.binding import FGRPO_NAMES, Binding, unfilled
+from fgrpo.rewards.binding import FGRPO_NAMES, Binding, needed, unfilled
 from fgrpo.rewards.calls import Call, Describe, Failed, Outcome, run_task, warm_up
 from fgrpo.rewards.entries import RewardEntry
 from fgrpo.rewards.pool import Fault, WorkerPool
@@ -110,14 +110,28 @@ class Scorer:
                         for name in ("answer", "ground_truth"))]
 
     def score(self, views: list[dict[str, Any]]) -> ScoredBatch:
-        """Every entry on every sample (``views``: :func:`~fgrpo.rewards.binding.sample_view`), combined."""
+        """Every entry on every sample (``views``: :func:`~fgrpo.rewards.binding.sample_view`), combined. Several
+        ranks: each scores its own samples, then all learn whether any rank failed (a function failing its whole
+        first batch, a pool that cannot run) and raise together, so that no rank waits alone in a collective."""
+        first, self._first_batch = self._first_batch, False
+        outcomes = distributed.agree(lambda: self._outcomes(views, check_all_failed=first))
+        for entry in self.entries:
+            failure = next((o for o in outcomes[entry.name] if isinstance(o, Failed)), None)
+            if failure is not None:
+                self._report(entry, failure)
+        return self._combine(outcomes, len(views))
+
+    def _outcomes(self, views: list[dict[str, Any]], *, check_all_failed: bool) -> dict[str, list[Outcome]]:
+        """Each entry's outcome per sample: its calls (one per sample, or one per batch for a batch function) in
+        this process or the pool, in one batch; each call sent only what its function reads."""
         calls, owners = [], []  # owners: (entry, the samples the call covers)
         for entry in self.entries:
             binding = self.bindings.get(entry.name) or self._bind_here(entry)
             groups = [list(range(len(views)))] if binding.batch else [[i] for i in range(len(views))]
             for samples in groups:
                 if samples:
-                    calls.append(Call(entry.target, f"{entry.key}.fn", tuple(views[i] for i in samples), binding.batch,
+                    calls.append(Call(entry.target, f"{entry.key}.fn",
+                                      tuple(needed(binding, views[i]) for i in samples), binding.batch,
                                       self.timeout_s * len(samples), bounds_itself=entry.builtin,
                                       conversational=self.conversational, system_prompt=self.system_prompt))
                     owners.append((entry, samples))
@@ -128,15 +142,9 @@ class Scorer:
                 result = [Failed(result.kind, f"its worker {result.detail}")] * len(samples)
             for sample, outcome in zip(samples, result):
                 outcomes[entry.name][sample] = outcome
-        batch = self._combine(outcomes, len(views))
-        if self._first_batch:
-            self._first_batch = False
-            distributed.agree(lambda: self._raise_if_failing_everywhere(outcomes))
-        for entry in self.entries:
-            failure = next((o for o in outcomes[entry.name] if isinstance(o, Failed)), None)
-            if failure is not None:
-                self._report(entry, failure)
-        return batch
+        if check_all_failed:
+            self._raise_if_failing_everywhere(outcomes)
+        return outcomes
 
     # --- internals ---
 

@@ -35,6 +35,7 @@ __all__ = [
     "generated_problems",
     "RowFormat",
     "build_prompt",
+    "templated",
     "with_prompts",
 ]
 
@@ -265,14 +266,6 @@ def _load_file(path: str):
         ) from error
 
 
-
-
-
-
-
-
-
-
 def _load_hub(dataset_id: str, subset: str | None, split: str):
     """Load a hub dataset; without a network, only from the local cache, failing fast otherwise."""
     import datasets
@@ -372,6 +365,13 @@ def load_problems(
 def build_prompt(question: str, *, instruction: str) -> str:
     """The user message: the question, then the answer-format instruction (the chat template comes later)."""
     return f"{question} {instruction}".strip()
+
+
+def templated(problems: list[Problem], template: str, *, instruction: str, where: str) -> list[Problem]:
+    """The problems with prompts rendered from ``template`` over their fields (arithmetic's: question, answer, a, op,
+    b)."""
+    return [replace(p, prompt=render_template(template, p.fields, instruction=instruction, where=where,
+                                              row_number=index + 1)) for index, p in enumerate(problems)]
 
 
 def with_prompts(problems: list[Problem], instruction: str) -> list[Problem]:

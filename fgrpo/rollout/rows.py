@@ -68,7 +68,7 @@ def render_template(template: str, row: Mapping[str, Any], *, instruction: str, 
         if value is MISSING:
             raise DataError(f"{where}: dataset.prompt_template names {{{name}}}, which row {row_number} (counting "
                             f"from 1) does not have; its fields are {sorted(row)}. Fix the placeholder or the data")
-        value = repr(value) if conversion == "r" else str(value) if conversion == "s" else value
+        value = {"r": repr, "s": str, "a": ascii}[conversion](value) if conversion else value
         parts.append(format(value, spec or ""))
     return "".join(parts)
 

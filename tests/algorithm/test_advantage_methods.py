@@ -5,7 +5,7 @@ from math import comb, sqrt
 import pytest
 import torch
 
-from fgrpo.algorithm.advantage_registry import AdvantageSettings, compute_advantages, method_label, methods
+from fgrpo.algorithm.advantage_methods import AdvantageSettings, compute_advantages, method_label, methods
 from fgrpo.algorithm.advantages import group_advantages
 from fgrpo.algorithm.losses import policy_loss
 
@@ -66,6 +66,10 @@ def test_maxrl_divides_by_the_mean_and_gives_0_to_unsolved_groups():
     rewards = [[1, 0, 1, 0, 0], [0, 1, 0, 0, 0]]
     means = torch.tensor([[0.4], [0.2]], dtype=torch.float64)
     torch.testing.assert_close(advantages("maxrl", rewards), advantages("dr_grpo", rewards) / means)
+    # it reads the verdicts: a weighted sum of reward functions (here a -1/+2 score) gives the same advantages
+    scored = torch.tensor([[2.0, -1.0, -1.0, -1.0]], dtype=torch.float64)
+    verdicts = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    close(compute_advantages(scored, verdicts, AdvantageSettings("maxrl")), [[3, -1, -1, -1]])
 
 
 def test_unlikeliness_penalises_the_likely_correct_samples_before_normalising():

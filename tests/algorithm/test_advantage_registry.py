@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fgrpo.algorithm import advantage_registry
-from fgrpo.algorithm.advantage_registry import (AdvantageSettings, Param, advantage_method, compute_advantages,
-                                                method_label, methods)
+from fgrpo.algorithm.advantage_methods import AdvantageSettings, compute_advantages, method_label, methods
+from fgrpo.algorithm.advantage_registry import Param, advantage_method
 from fgrpo.infra.errors import ConfigError
 
 
@@ -44,7 +44,7 @@ def test_the_schema_and_its_defaults_come_from_the_declarations():
 
 
 def test_the_declarations_load_without_torch():
-    code = ("import sys; import fgrpo.config, fgrpo.algorithm.advantage_registry as r; r.methods(); "
+    code = ("import sys; import fgrpo.config, fgrpo.algorithm.advantage_methods as m; m.methods(); "
             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr[-2000:]

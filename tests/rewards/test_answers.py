@@ -1,5 +1,5 @@
 """fgrpo.rewards.answers: extracting the final answer, the numeric and math checks, their timeouts on pathological
-input. The verifier built from them and its worker pool: tests/rollout/test_verifier.py."""
+input. The pool that runs them: tests/rewards/test_pool.py; as reward entries: tests/rewards/test_scoring.py."""
 
 import json
 import signal
@@ -240,6 +240,3 @@ def test_verify_math_restores_the_alarm_handler_and_timer():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, saved_handler)
-
-
-# --- make_verifier ---------------------------------------------------------------------------

@@ -106,3 +106,12 @@ def test_load_data_reads_a_generator_from_the_config(compose, tmp_path):
     assert first.prompt == f"Add {first.fields['a']} and {first.fields['b']}. Just the number."
     assert data.columns() == {"question", "answer", "a", "b"}
     json.dumps([p.fields for p in data.train])  # plain values: they travel to the reward workers
+
+
+def test_arithmetic_takes_a_template_over_its_columns(compose):
+    from fgrpo.prepare import load_data
+
+    data = load_data(compose("dataset.prompt_template='{a} {op} {b} = ? {instruction}'").dataset, instruction="Go.")
+    problem = data.train[0]
+    assert problem.prompt == f"{problem.fields['a']} {problem.fields['op']} {problem.fields['b']} = ? Go."
+    assert load_data(compose().dataset, instruction="Go.").train[0].prompt.endswith("? Go.")  # the default: question
