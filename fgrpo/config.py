@@ -71,19 +71,17 @@ class FocalConfig:
     gamma: float = 0.0  # 0 = the baseline; focal.gamma=1.0 turns F-GRPO on (Eq. 12)
 
 
-def _advantage_schema():
+def advantage_node() -> dict:
     """``advantage``: the method's name (``advantage=<name>``, or a user's ``advantage.name="my_adv.py:fn"``) and every
-    built-in method's parameters, their types and defaults as each method declares them
-    (fgrpo.algorithm.advantage_methods); a user's method's parameters come with ``+advantage.<name>=value``."""
-    fields = [("name", str, MISSING)]
+    built-in method's parameters with the defaults each method declares (fgrpo.algorithm.advantage_methods). A plain
+    node, not a dataclass, so that a user's method's parameters can be added (``+advantage.<name>=value``, or under
+    ``advantage:`` in an experiment file); fgrpo.validation checks each against its declaration (type and range)."""
+    node: dict = {"name": MISSING}
     for method in methods().values():
         for param_name, param in method.params.items():
-            if method.key(param_name) != GAMMA_KEY and param_name not in {f[0] for f in fields}:
-                fields.append((param_name, int if param.integer else float, field(default=param.default)))
-    return make_dataclass("AdvantageConfig", fields)
-
-
-AdvantageConfig = _advantage_schema()
+            if method.key(param_name) != GAMMA_KEY:
+                node.setdefault(param_name, param.default)
+    return node
 
 
 @dataclass
@@ -261,7 +259,7 @@ class Config:
     model: ModelConfig = MISSING
     algo: AlgoConfig = MISSING
     focal: FocalConfig = MISSING
-    advantage: AdvantageConfig = MISSING
+    advantage: Any = field(default_factory=advantage_node)
     dataset: DatasetConfig = MISSING
     hardware: HardwareConfig = MISSING
     sampler: SamplerConfig = MISSING

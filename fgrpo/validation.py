@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from fgrpo.algorithm.advantage_methods import methods
 from fgrpo.algorithm.advantage_registry import GAMMA_KEY, AdvantageMethod, declare
-from fgrpo.config import AdvantageConfig, Config, learning_rate
+from fgrpo.config import Config, advantage_node, learning_rate
 from fgrpo.infra.errors import ConfigError
 from fgrpo.infra.user_code import is_import_path, load_function
 
@@ -155,7 +155,7 @@ def _check_advantage(cfg, need) -> None:
     if all(method.key(p) != GAMMA_KEY for p in method.params):
         need(cfg.focal.gamma == 0, "focal.gamma", cfg.focal.gamma,
              f"weights advantage=focal only: use advantage=focal, or focal.gamma=0 with advantage={adv.name}")
-    schema = set(AdvantageConfig.__dataclass_fields__)  # the built-in methods' keys, always there
+    schema = set(advantage_node())  # the built-in methods' keys, always there
     for key in adv:
         need(key in schema or key in method.params, f"advantage.{key}", adv[key],
              f"is not a parameter of advantage={adv.name} (its parameters: {sorted(method.params) or 'none'})")

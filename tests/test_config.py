@@ -95,7 +95,7 @@ def test_unknown_group_option_lists_choices(compose):
         ("dataset.reward_timeout_s=inf", "dataset.reward_timeout_s=inf: must be a finite number > 0"),
         ("dataset.messages_field=prompt", "dataset.messages_field='prompt': dataset=arithmetic has no column of chat"),
         ("advantage=passk advantage.k=9", "advantage.k=9: must be in .1, algo.group_size=8. (the k of the pass@k"),
-        ("advantage=w_reinforce advantage.lam=0", "advantage.lam=0.0: must be > 0.0 (W-REINFORCE's weight"),
+        ("advantage=w_reinforce advantage.lam=0", "advantage.lam=0: must be > 0.0 (W-REINFORCE's weight"),
         ("advantage=unlikeliness advantage.beta=1.5", "advantage.beta=1.5: must be in .0.0, 1.0. (the unlikeliness "
                                                      "penalty"),
     ],

@@ -3,6 +3,7 @@ the choices derive from its declaration, and a user's method loads by import pat
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,13 +32,13 @@ def constant_push(rewards, correct, settings, seq_logp=None):
 '''
 
 
-def test_the_schema_and_its_defaults_come_from_the_declarations():
-    from fgrpo.config import AdvantageConfig
+def test_the_schema_and_its_defaults_come_from_the_declarations(compose):
+    from fgrpo.config import advantage_node
 
-    fields = AdvantageConfig.__dataclass_fields__
-    assert set(fields) == {"name", "lam", "beta", "k"}  # gamma is focal.gamma's: its own group
-    assert (fields["lam"].default, fields["beta"].default, fields["k"].default) == (0.1, 0.25, 4)
-    assert fields["k"].type is int and fields["lam"].type is float
+    assert advantage_node() == {"name": "???", "lam": 0.1, "beta": 0.25, "k": 4}  # gamma is focal.gamma's: its group
+    assert compose("advantage=passk").advantage.k == 4 and compose("advantage=passk", "advantage.k=2").advantage.k == 2
+    with pytest.raises(Exception, match="advantage.lamm"):  # a misspelt key fails at start with Hydra's message
+        compose("advantage.lamm=0.5")
     declared = methods()
     assert declared["mean_focal"].needs_step and not declared["focal"].needs_step
     assert {name for name, m in declared.items() if not m.shaped_rewards} == {"maxrl", "w_reinforce", "passk"}
@@ -91,6 +92,7 @@ def test_a_users_method_by_import_path_is_checked_and_changes_the_advantages(com
     torch.testing.assert_close(compute_advantages(rewards, rewards, settings), torch.full((2, 2), 2.5))
     assert method_label(user_method, settings.params) == f"{user_method} alpha=2.5"
     for override, message in (("+advantage.alpha=-1", r"advantage.alpha=-1: must be > 0.0 \(the advantage of every"),
+                              ("+advantage.alpha=much", r"advantage.alpha='much': must be a finite number"),
                               ("+advantage.rounds=9", r"advantage.rounds=9: must be in \[1, algo.group_size=8\]"),
                               ("+advantage.alhpa=2", r"advantage.alhpa=2: is not a parameter of advantage=.*"
                                                      r"\(its parameters: \['alpha', 'rounds'\]\)"),
@@ -107,3 +109,20 @@ def test_an_unknown_method_lists_the_choices_and_the_import_path_form(compose):
         validate(compose("advantage.name=grpo_passk"))
     with pytest.raises(ConfigError, match="the file .*no_such.py does not exist"):
         validate(compose("advantage.name=no_such.py:method"))
+
+
+def test_a_users_method_takes_its_parameters_from_an_experiment_file(tmp_path, user_method):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from fgrpo.prepare import advantage_settings
+    from fgrpo.validation import validate
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text(
+        f"# @package _global_\nadvantage:\n  name: {user_method}\n  alpha: 3.0\n")
+    repo = Path(__file__).resolve().parents[2]
+    with initialize_config_dir(config_dir=str(repo / "conf"), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=[f"hydra.searchpath=[file://{tmp_path}]", "experiment=mine"])
+    validate(cfg)
+    assert advantage_settings(cfg).alpha == 3.0
