@@ -239,7 +239,7 @@ def test_missing_dataset_file_and_row_without_answer(tmp_path):
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?"}\n')
     stderr = run_bad(tmp_path / "b", "dataset=local", f"dataset.train.path={broken}", f"dataset.eval.0.path={broken}")
-    assert str(broken) in stderr and "row 2 (counting from 1)" in stderr and "answer" in stderr
+    assert str(broken) in stderr and "line 2 has no usable answer" in stderr
 
 
 def test_hub_model_without_network_says_pass_a_local_path(tmp_path):

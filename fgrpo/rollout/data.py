@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from fgrpo.infra.errors import ConfigError, DataError
 from fgrpo.infra.hub import HUB_PROBE_TIMEOUT_S, datasets_offline, hub_reachable, offline_env_var
+from fgrpo.rollout.files import FILE_FORMATS, load_file
 from fgrpo.rollout.rows import (MISSING, answer_text, chat_messages, field_value, question_text, render_template,
                                 template_fields)
 
@@ -72,8 +73,6 @@ class RowFormat:
 ARITHMETIC_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 LOADER_KINDS = ("file", "hub")
 DATASET_KINDS = ("arithmetic", "sources", "generator")  # dataset.kind: arithmetic or a generator in-process; files / hub
-FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-"""File extension -> the ``datasets`` builder that reads it."""
 
 _LOCAL_FILE_HINT = "dataset=local dataset.train.path=/path/to/train.jsonl"
 
@@ -186,7 +185,7 @@ def generated_problems(spec: str, args: Mapping[str, Any], *, name: str, n_eval:
 # --- files and hub datasets ------------------------------------------------------------------
 
 
-def _row_error(row: Mapping[str, Any], where: str, row_number: int, field_name: str, value, role: str,
+def _row_error(row: Mapping[str, Any], where: str, place: str, field_name: str, value, role: str,
                generated: bool = False) -> DataError:
     """The error for a row whose question or answer cannot be used, listing what the row has."""
     present = [key for key, item in row.items() if item is not None and item != ""]
@@ -198,72 +197,46 @@ def _row_error(row: Mapping[str, Any], where: str, row_number: int, field_name: 
     else:
         fix = (f"if the {role} is under another name or nested, pass {role}_field=<name or dotted.path> (in a config: "
                f"dataset.train.{role}_field=<name> or dataset.eval.<i>.{role}_field=<name>)")
-    return DataError(f"{where}: row {row_number} (counting from 1) has no usable {role} field '{field_name}' ({got}); "
+    return DataError(f"{where}: {place} has no usable {role} field '{field_name}' ({got}); "
                      f"the row has fields {present}. {fix[0].upper()}{fix[1:]}")
 
 
 def rows_to_problems(rows: list[Mapping[str, Any]], *, where: str, name: str, fmt: RowFormat,
-                     id_prefix: str | None = None, rows_before: int = 0) -> list[Problem]:
+                     id_prefix: str | None = None, rows_before: int = 0,
+                     places: list[str] | None = None) -> list[Problem]:
     """One :class:`Problem` per row (id ``<id_prefix or name>/<row index from 0>``), every row checked; its prompt
     the row's chat messages or the rendered template where ``fmt`` names them (else None: :func:`with_prompts` asks the
-    question with ``model.instruction``). ``rows_before``: rows of the same source before these (messages count a row
-    from the source's first)."""
+    question with ``model.instruction``). ``places``: each row's place in its file for messages ("line 3"); default
+    "row N (counting from 1)", ``rows_before`` rows of the same source before these."""
     if not rows:
         raise DataError(f"{where} has no rows")
     if fmt.prompt_template is not None:
         template_fields(fmt.prompt_template)
     problems = []
     for index, row in enumerate(rows):
-        number = rows_before + index + 1
+        place = places[index] if places else f"row {rows_before + index + 1} (counting from 1)"
         if not isinstance(row, Mapping):
-            raise DataError(f"{where}: row {number} (counting from 1) is a {type(row).__name__}, not a dict of "
-                            "columns")
+            raise DataError(f"{where}: {place} is a {type(row).__name__}, not a dict of columns")
         if fmt.messages_field is not None:
             prompt = chat_messages(field_value(row, fmt.messages_field), field=fmt.messages_field, where=where,
-                                   row_number=number)
+                                   place=place)
             question = next((m["content"] for m in reversed(prompt) if m["role"] == "user"), prompt[-1]["content"])
         elif fmt.prompt_template is not None:
             question = prompt = render_template(fmt.prompt_template, row, instruction=fmt.instruction, where=where,
-                                                row_number=number)
+                                                place=place)
         else:
             raw_question = field_value(row, fmt.question_field)
             question = question_text(raw_question)
             if question is None:
-                raise _row_error(row, where, number, fmt.question_field, raw_question, "question", fmt.generated)
+                raise _row_error(row, where, place, fmt.question_field, raw_question, "question", fmt.generated)
             prompt = None  # the question with model.instruction: with_prompts
         raw_answer = field_value(row, fmt.answer_field)
         answer = answer_text(raw_answer)
         if answer is None and fmt.require_answer:
-            raise _row_error(row, where, number, fmt.answer_field, raw_answer, "answer", fmt.generated)
+            raise _row_error(row, where, place, fmt.answer_field, raw_answer, "answer", fmt.generated)
         problems.append(Problem(id=f"{id_prefix or name}/{index}", question=question, answer=answer, source=name,
                                 prompt=prompt, fields=dict(row)))
     return problems
-
-
-def _load_file(path: str):
-    """Read a local jsonl / json / parquet / csv file with ``datasets``; returns (dataset, resolved path)."""
-    resolved = Path(path).expanduser().resolve()
-    if not resolved.exists():
-        raise DataError(
-            f"dataset file {resolved} does not exist (path={path!r}; relative paths start at the "
-            f"working directory {os.getcwd()}); fix the path, e.g. dataset.train.path=/abs/path/train.jsonl"
-        )
-    if not resolved.is_file():
-        raise DataError(f"dataset path {resolved} is not a file; point path= at a {'/'.join(FILE_FORMATS)} file")
-    builder = FILE_FORMATS.get(resolved.suffix.lower())
-    if builder is None:
-        raise DataError(
-            f"dataset file {resolved} has extension {resolved.suffix!r}, which is not supported; "
-            f"use one of {list(FILE_FORMATS)}"
-        )
-    import datasets
-
-    try:
-        return datasets.load_dataset(builder, data_files=str(resolved), split="train"), resolved
-    except Exception as error:
-        raise DataError(
-            f"could not read dataset file {resolved} as {builder}: {type(error).__name__}: {error}"
-        ) from error
 
 
 def _load_hub(dataset_id: str, subset: str | None, split: str):
@@ -351,15 +324,16 @@ def load_problems(
             raise DataError(f"{field_name} must be a column name, got {value!r}")
     fmt = RowFormat(question_field, answer_field, messages_field, prompt_template, instruction, require_answer)
 
+    places = None
     if kind == "file":
-        dataset, resolved = _load_file(str(path))
+        dataset, resolved, places = load_file(str(path), limit)
         where = f"dataset file {resolved}"
     else:
         dataset = _load_hub(str(path), subset, split)
         where = f"hub dataset '{path}'" + (f" subset '{subset}'" if subset else "") + f" split '{split}'"
     if limit is not None and limit < len(dataset):
         dataset = dataset.select(range(limit))
-    return rows_to_problems(dataset.to_list(), where=where, name=name, fmt=fmt)
+    return rows_to_problems(dataset.to_list(), where=where, name=name, fmt=fmt, places=places)
 
 
 def build_prompt(question: str, *, instruction: str) -> str:
@@ -371,7 +345,7 @@ def templated(problems: list[Problem], template: str, *, instruction: str, where
     """The problems with prompts rendered from ``template`` over their fields (arithmetic's: question, answer, a, op,
     b)."""
     return [replace(p, prompt=render_template(template, p.fields, instruction=instruction, where=where,
-                                              row_number=index + 1)) for index, p in enumerate(problems)]
+                                              place=f"problem {p.id}")) for p in problems]
 
 
 def with_prompts(problems: list[Problem], instruction: str) -> list[Problem]:

@@ -1,7 +1,8 @@
 """From a data row (a dict of a file's, the hub's or a generator's columns) to a :class:`~fgrpo.rollout.data.Problem`:
 its fields by name or dotted path (``reward_model.ground_truth``, verl's layout), its prompt (the question plus
 ``model.instruction``, ``dataset.prompt_template`` with ``{column}`` placeholders, or a column of chat messages), its
-reference answer as text, and every column kept for the reward functions. Rows count from 1 in every message."""
+reference answer as text, and every column kept for the reward functions. A message names a row by its place: its
+line in a JSONL or CSV file, else "row N (counting from 1)"."""
 
 from __future__ import annotations
 
@@ -53,11 +54,12 @@ def template_fields(template: str, key: str = "dataset.prompt_template") -> list
     return names
 
 
-def render_template(template: str, row: Mapping[str, Any], *, instruction: str, where: str, row_number: int) -> str:
+def render_template(template: str, row: Mapping[str, Any], *, instruction: str, where: str, place: str) -> str:
     """``template`` with each ``{field}`` replaced by the row's value (``{instruction}``: ``model.instruction``).
 
     Raises:
-        DataError: a placeholder names a field the row does not have, naming it and the row (from 1).
+        DataError: a placeholder names a field the row does not have, naming it and the row's ``place`` ("line 3",
+            "row 3 (counting from 1)").
     """
     parts = []
     for literal, name, spec, conversion in string.Formatter().parse(template):
@@ -66,8 +68,8 @@ def render_template(template: str, row: Mapping[str, Any], *, instruction: str, 
             continue
         value = instruction if name == "instruction" and "instruction" not in row else field_value(row, name)
         if value is MISSING:
-            raise DataError(f"{where}: dataset.prompt_template names {{{name}}}, which row {row_number} (counting "
-                            f"from 1) does not have; its fields are {sorted(row)}. Fix the placeholder or the data")
+            raise DataError(f"{where}: dataset.prompt_template names {{{name}}}, which {place} does not have; its "
+                            f"fields are {sorted(row)}. Fix the placeholder or the data")
         value = {"r": repr, "s": str, "a": ascii}[conversion](value) if conversion else value
         parts.append(format(value, spec or ""))
     return "".join(parts)
@@ -109,7 +111,7 @@ def question_text(value) -> str | None:
     return value.strip() or None
 
 
-def chat_messages(value, *, field: str, where: str, row_number: int) -> tuple[dict[str, str], ...]:
+def chat_messages(value, *, field: str, where: str, place: str) -> tuple[dict[str, str], ...]:
     """A column of chat messages (``[{"role": ..., "content": ...}, ...]``, verl's ``prompt``) as the prompt.
 
     Raises:
@@ -118,7 +120,7 @@ def chat_messages(value, *, field: str, where: str, row_number: int) -> tuple[di
     ok = isinstance(value, (list, tuple)) and len(value) > 0 and all(
         isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
     if not ok:
-        raise DataError(f"{where}: row {row_number} (counting from 1) has no chat messages in '{field}' (got "
+        raise DataError(f"{where}: {place} has no chat messages in '{field}' (got "
                         f"{value!r:.100}); dataset.messages_field names a column of [{{role: ..., content: ...}}, ...] "
                         "lists, or set it to null to build the prompt from the question")
     return tuple({"role": m["role"], "content": m["content"]} for m in value)

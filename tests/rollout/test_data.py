@@ -140,7 +140,7 @@ def test_limit_keeps_the_first_rows_and_only_checks_them(tmp_path):
     problems = load_problems(name="d", kind="file", path=str(path), limit=3)
     assert [p.id for p in problems] == ["d/0", "d/1", "d/2"]
     assert len(load_problems(name="d", kind="file", path=str(path), limit=6)) == 6
-    with pytest.raises(DataError, match=r"row 7 \(counting from 1\)"):
+    with pytest.raises(DataError, match=r"line 7 has no usable answer"):
         load_problems(name="d", kind="file", path=str(path), limit=100)
     with pytest.raises(DataError, match="limit must be >= 1"):
         load_problems(name="d", kind="file", path=str(path), limit=0)
@@ -166,7 +166,7 @@ def test_row_without_the_answer_names_file_row_and_fields(tmp_path):
         load_problems(name="d", kind="file", path=str(path))
     message = str(caught.value)
     assert str(path) in message
-    assert "row 3 (counting from 1)" in message
+    assert ": line 3 has no usable answer field" in message
     assert "'answer'" in message
     assert "['question', 'solution']" in message
     assert "answer_field=" in message
@@ -184,13 +184,13 @@ def test_row_without_the_answer_names_file_row_and_fields(tmp_path):
 )
 def test_empty_values_are_rejected(tmp_path, row, field):
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": "ok", "answer": "1"}, row])
-    with pytest.raises(DataError, match=rf"row 2 \(counting from 1\) has no usable {field} field '{field}'"):
+    with pytest.raises(DataError, match=rf"line 2 has no usable {field} field '{field}'"):
         load_problems(name="d", kind="file", path=str(path))
 
 
 def test_field_missing_from_every_row(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"problem": "q", "answer": "1"}])
-    with pytest.raises(DataError, match=r"row 1 .*'question' \(missing or null\); the row has fields \['problem', 'answer'\]"):
+    with pytest.raises(DataError, match=r"line 1 .*'question' \(missing or null\); the row has fields \['problem', 'answer'\]"):
         load_problems(name="d", kind="file", path=str(path))
 
 
@@ -208,7 +208,7 @@ def test_bad_file_arguments(tmp_path):
     with pytest.raises(DataError, match="empty.jsonl"):
         load_problems(name="d", kind="file", path=str(tmp_path / "empty.jsonl"))
     (tmp_path / "broken.jsonl").write_text('{"question": "q", "answer": \n')
-    with pytest.raises(DataError, match="could not read dataset file .*broken.jsonl"):
+    with pytest.raises(DataError, match=r"dataset file .*broken.jsonl: no line is a JSON object \(line 1 is not valid"):
         load_problems(name="d", kind="file", path=str(tmp_path / "broken.jsonl"))
 
 

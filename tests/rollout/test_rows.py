@@ -22,7 +22,7 @@ def test_templates_render_columns_nested_fields_and_the_instruction():
     row = {"numbers": [3, 5], "target": 8, "meta": {"level": "easy"}}
     template = "Reach {target} from {numbers} ({meta.level}, {target:03d}). {instruction}"
     assert template_fields(template) == ["target", "numbers", "meta.level", "target", "instruction"]
-    assert render_template(template, row, instruction="Be brief.", where="w", row_number=1) == (
+    assert render_template(template, row, instruction="Be brief.", where="w", place="row 1") == (
         "Reach 8 from [3, 5] (easy, 008). Be brief.")
     with pytest.raises(ConfigError, match="a placeholder must name a column"):
         template_fields("Reach {} now")
