@@ -23,3 +23,21 @@ def test_rows_after_the_checkpoint_move_aside_and_a_half_line_with_them(tmp_path
     assert [r["step"] for r in read_metrics(metrics)] == [0, 1, 2]
     moved = (tmp_path / SUPERSEDED_FILE).read_text().splitlines()
     assert [json.loads(line)["step"] for line in moved[:2]] == [3, 4] and moved[2] == '{"step": 5, "tra'
+
+
+def test_a_config_saved_before_reward_functions_reads_in_todays_keys():
+    from fgrpo.config import experiment_differences
+    from fgrpo.infra.run_files import upgraded_config
+
+    old = {"seed": 0, "dataset": {"name": "arithmetic", "verifier": "numeric", "verifier_timeout_s": 5.0,
+                                  "verifier_workers": "auto"}}
+    new = {"seed": 0, "dataset": {"name": "arithmetic", "rewards": [{"fn": "numeric", "name": None, "weight": 1.0,
+                                                                     "verdict": False, "threshold": 1.0}],
+                                  "reward_timeout_s": 5.0, "reward_workers": "auto", "prompt_template": None}}
+    assert upgraded_config(old)["dataset"] == {k: v for k, v in new["dataset"].items() if k != "prompt_template"}
+    assert experiment_differences(old, new) == []  # a checkpoint of an older run resumes
+    changed = {**new, "dataset": {**new["dataset"], "rewards": [{**new["dataset"]["rewards"][0], "fn": "math"}]}}
+    assert experiment_differences(old, changed) == [
+        "dataset.rewards: [{'fn': 'numeric', 'name': None, 'weight': 1.0, 'verdict': False, 'threshold': 1.0}] -> "
+        "[{'fn': 'math', 'name': None, 'weight': 1.0, 'verdict': False, 'threshold': 1.0}]"]
+    assert upgraded_config(new) is new
