@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hardware", choices=("cpu", "gpu"), default="cpu",
                         help="conf/hardware for ours (TRL follows its device, micro-batch, precision); default cpu")
     parser.add_argument("--sampler", choices=("vllm", "hf"),
-                        help="conf/sampler for ours (default: the config's, vllm); hf = transformers generate, as TRL")
+                        help="conf/sampler for ours (default: the config's, auto: vllm where installed); hf = transformers "
+                             "generate, as TRL")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra Hydra override for ours, e.g. hardware.micro_batch_size=16 (repeatable); TRL "
                              "follows hardware.micro_batch_size, and on a GPU hardware.gradient_checkpointing")

@@ -1,8 +1,8 @@
 """The setup every entry point shares (run.py's training, fgrpo.evaluate, fgrpo.rare_nll build), in the order that
-makes bad input fail cheaply: the config's ranges -> the sampler's package and the device -> the reward functions
-(loaded where they run) -> the data (and the functions' parameters against its columns; the same on every rank) ->
-the model's folder -> the precision this machine runs fast -> every prompt's token ids. :func:`prepare` runs it and
-returns a :class:`Run`; nothing here loads the model's weights.
+makes bad input fail cheaply: what ``auto`` and an unset lr mean here -> the config's ranges -> the sampler's package
+and the device -> the reward functions (loaded where they run) -> the data (and the functions' parameters against its
+columns; the same on every rank) -> the model's folder -> the precision this machine runs fast -> every prompt's token
+ids. :func:`prepare` runs it and returns a :class:`Run`; nothing here loads the model's weights.
 
 The pieces the loop builds from a config (the learner's and the loss's settings, the sampler, the tracker) are here
 too, so that a second entry point makes them the same way.
@@ -46,7 +46,8 @@ from fgrpo.rewards.entries import reward_entries
 from fgrpo.rewards.scoring import Scorer
 from fgrpo.rollout.data import (Problem, RowFormat, arithmetic_problems, generated_problems, load_problems, templated,
                                 with_prompts)
-from fgrpo.rollout.samplers import HFSampler, Sampler, VLLMSampler, check_vllm_dtype, require_vllm
+from fgrpo.rollout.samplers import (HFSampler, Sampler, VLLMSampler, check_vllm_dtype, require_vllm,
+                                    settle_sampler)
 from fgrpo.validation import advantage_method_of, validate, validate_layout
 
 log = logging.getLogger("fgrpo")
@@ -151,7 +152,10 @@ def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
                  check_data: Callable[[Data], None] | None = None) -> tuple[Data, Scorer]:
     """The config's ranges (and, training, its fit to ``world`` processes), the sampler's package and the device (and,
     training, the compiler of compiled layers), the reward functions (loaded where they run: their workers start), the
-    data and the functions' parameters against its columns."""
+    data and the functions' parameters against its columns. ``sampler=auto`` is settled first (vllm or hf)."""
+    settle_sampler(cfg)
+    # the lr an unset trainer.lr means today, written into the config the run saves (the default may move again)
+    cfg.trainer.lr = learning_rate(cfg.trainer.lr, cfg.model.lora.rank)
     validate(cfg)
     check_deterministic_settings(cfg)
     if training:

@@ -31,7 +31,7 @@ def validate(cfg: DictConfig | Config) -> None:
     from fgrpo.infra.tracking import BACKENDS, WANDB_MODES
     from fgrpo.learner.forward import ATTENTIONS
     from fgrpo.learner.model import DEVICES, MODEL_SOURCES, WEIGHT_DTYPES
-    from fgrpo.rollout.samplers import SAMPLERS
+    from fgrpo.rollout.samplers import SAMPLER_NAMES
 
     problems: list[str] = []
 
@@ -67,7 +67,7 @@ def validate(cfg: DictConfig | Config) -> None:
     need(cfg.eval.every >= 0, "eval.every", cfg.eval.every, "must be >= 0 (0 = evaluate before and after training only)")
     need(cfg.eval.n_samples >= 1, "eval.n_samples", cfg.eval.n_samples, "must be >= 1")
     need(cfg.eval.max_problems >= 1, "eval.max_problems", cfg.eval.max_problems, "must be >= 1")
-    need(cfg.sampler.name in SAMPLERS, "sampler.name", cfg.sampler.name, f"must be one of {SAMPLERS}")
+    need(cfg.sampler.name in SAMPLER_NAMES, "sampler.name", cfg.sampler.name, f"must be one of {SAMPLER_NAMES}")
     need(cfg.sampler.max_new_tokens >= 1, "sampler.max_new_tokens", cfg.sampler.max_new_tokens, "must be >= 1")
     need(cfg.sampler.temperature > 0, "sampler.temperature", cfg.sampler.temperature,
          "must be > 0 (RL needs sampling; the paper uses 1.0)")
@@ -97,7 +97,7 @@ def validate(cfg: DictConfig | Config) -> None:
          "vLLM's sleep mode frees GPU memory: use it with hardware=gpu, or set it to false")
     need(cfg.sampler.tensor_parallel_size >= 1, "sampler.tensor_parallel_size", cfg.sampler.tensor_parallel_size,
          "must be >= 1")
-    need(cfg.sampler.tensor_parallel_size == 1 or cfg.sampler.name == "vllm", "sampler.tensor_parallel_size",
+    need(cfg.sampler.tensor_parallel_size == 1 or cfg.sampler.name in ("vllm", "auto"), "sampler.tensor_parallel_size",
          cfg.sampler.tensor_parallel_size, "splits a vLLM engine over ranks: use sampler=vllm, or set it to 1")
     need(cfg.model.source in MODEL_SOURCES, "model.source", cfg.model.source, f"must be one of {MODEL_SOURCES}")
     need(cfg.model.source != "hub" or bool(cfg.model.path), "model.path", cfg.model.path,

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from fgrpo.rollout.samplers import vllm_available
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "compare_trl.py"
@@ -85,7 +84,7 @@ def tiny_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")
+@pytest.mark.vllm
 def test_tiny_run_ours(tiny_run):
     report, table, stdout = tiny_run
     assert table.strip() in stdout  # the printed table is the written one
@@ -112,7 +111,7 @@ def test_tiny_run_ours(tiny_run):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")
+@pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_TRL, reason="TRL not installed (pip install 'fgrpo[bench]'): TRL half skipped")
 def test_tiny_run_trl(tiny_run):
     report, table, _ = tiny_run
@@ -215,7 +214,7 @@ def test_trl_learner_step_prepares_trls_batch():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")
+@pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_TRL, reason="TRL not installed (pip install 'fgrpo[bench]'): the LoRA pair needs both")
 def test_lora_pair_trains_the_same_adapters_in_ours_and_trl(tmp_path, compose):
     from transformers import AutoModelForCausalLM
@@ -246,7 +245,7 @@ def test_a_lora_rank_below_one_is_refused(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")
+@pytest.mark.vllm
 def test_lora_push_times_both_ways_and_they_sample_the_same_policy(tmp_path):
     out = tmp_path / "push.json"
     done = subprocess.run([sys.executable, str(REPO / "bench" / "lora_push.py"), "--model", "tiny_random", "--rank", "4",

@@ -35,7 +35,7 @@ def test_only_changes_to_the_experiment_block_a_resume():
 def test_resume_false_holds_for_the_first_attempt_only(compose, tmp_path, monkeypatch):
     """A requeued Slurm job (or a restarted torchrun) repeats the first attempt's command: trainer.resume=false
     must not throw away what the attempts before saved."""
-    cfg = compose("trainer.resume=false")
+    cfg = compose("trainer.resume=false", "trainer.lr=3e-5")  # a run's checkpoint holds the lr it resolved
     model, optimizer = model_and_optimizer(hidden=16)
     checkpoint.save_checkpoint(tmp_path, model, optimizer, state(2, config=to_container(cfg)), keep=2)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")

@@ -1,3 +1,4 @@
+import sys
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,23 @@ def test_the_removed_std_normalize_key_is_now_advantage_dr_grpo(compose):
     with pytest.raises(ConfigCompositionException):
         compose("algo.std_normalize=false")
     assert compose("advantage=dr_grpo").advantage.name == "dr_grpo"
+
+
+def test_the_sampler_defaults_to_auto_which_settles_to_what_is_installed(compose, monkeypatch):
+    from fgrpo.rollout.samplers import settle_sampler, vllm_available
+
+    cfg = compose()
+    assert cfg.sampler.name == "auto"
+    validate(cfg)  # a sweep's jobs are checked on the login node, unsettled: their nodes may differ
+    settle_sampler(cfg)
+    assert cfg.sampler.name == ("vllm" if vllm_available() else "hf")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as a venv without vLLM: importlib finds nothing
+    cfg = compose()
+    settle_sampler(cfg)
+    assert cfg.sampler.name == "hf"
+    for named in ("vllm", "hf"):  # a named sampler is never replaced (sampler=vllm without vLLM: an error later)
+        cfg = compose(f"sampler={named}")
+        settle_sampler(cfg)
+        assert cfg.sampler.name == named
+    with pytest.raises(ConfigError, match=r"sampler.name='vlm': must be one of \('auto', 'vllm', 'hf'\)"):
+        validate(compose("sampler.name=vlm"))

@@ -78,6 +78,7 @@ def test_the_bundled_model_run_and_its_standalone_evaluation_write_the_same_coun
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_the_vllm_sampler_evaluates_the_bundled_model_at_many_samples(tmp_path):
     eval_dir = tmp_path / "eval"
     done = cli("fgrpo.evaluate", eval_dir, "eval.n_samples=64", "eval.max_problems=6", "sampler.max_new_tokens=8",

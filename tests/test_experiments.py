@@ -58,6 +58,22 @@ def test_arith_confirm_composes_to_its_preregistered_settings(compose):
     assert (len(train), len(held_out)) == (960, 240) and held_out[:60] == pilot_held_out
 
 
+def test_the_committed_runs_compose_again_to_what_they_ran(compose):
+    """A default changed later must not change a shipped experiment: each committed run's overrides compose to its
+    saved config, by the comparison a resume makes (the keys that change what is learned)."""
+    import yaml
+
+    from fgrpo.config import experiment_differences, to_container
+
+    for run in [CONFIRM / "runs" / "grpo_seed3", CONFIRM / "runs" / "control_seed10", *sorted((RESULTS / "runs").iterdir())[:1]]:
+        saved = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+        overrides = [o for o in yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
+                     if not o.startswith("eval.rare_set=")]  # a path on the machine that ran it
+        cfg = compose(*overrides)
+        cfg.sampler.name = saved["sampler"]["name"]  # auto settles to vllm where vLLM is installed, as it was there
+        assert experiment_differences(saved, to_container(cfg)) == [], run.name
+
+
 def test_arith_headroom_one_step_smoke_run_on_tiny_random(tmp_path):
     """The experiment's own data and evaluation at tiny_random sizes: one step, evaluated before and after."""
     result = run_cli(tmp_path, "experiment=arith_headroom", "model=tiny_random", "sampler=hf", "logger=none",

@@ -373,6 +373,7 @@ def _environ(pid: int) -> bytes:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_the_vllm_sampler_resumes_its_step_data_cursor_and_optimizer(tmp_path):
     vllm = ["sampler=vllm", "trainer.steps=4", "hardware.sampler_kv_cache_gib=0.125", EAGER]
     run_dir = tmp_path / "run"

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
-from fgrpo.rollout.samplers import vllm_available
+from fgrpo.config import DEFAULT_LR
 from fgrpo.infra.run_files import read_metrics
 from wandb_files import read_wandb_history, read_wandb_run
 
@@ -56,7 +57,7 @@ def initial_tiny_state() -> dict:
 
 @pytest.mark.parametrize(
     "sampler",
-    ["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")])],
+    ["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm])],
 )
 def test_two_steps_on_tiny_random_change_all_parameters(tmp_path, sampler):
     # a random model earns no reward, so the policy-gradient term is 0 here; a small entropy bonus
@@ -83,7 +84,7 @@ def test_two_steps_on_tiny_random_change_all_parameters(tmp_path, sampler):
 
 @pytest.mark.parametrize(
     "sampler",
-    ["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")])],
+    ["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm])],
 )
 def test_a_lora_run_trains_adapters_and_saves_the_merged_model(tmp_path, sampler):
     """model.lora.rank: the adapters train (the entropy bonus gives a random model a gradient), each sampler takes
@@ -110,7 +111,7 @@ def test_eval_before_false_skips_only_the_evaluation_of_the_starting_weights(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")
+@pytest.mark.vllm
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 2e-3), ("bfloat16", 0.08)])
 def test_vllm_logprobs_match_learner_after_weight_update(dtype, tolerance):
     """After pushing new weights, vLLM's log-probs of its own samples equal the learner's recomputation."""
@@ -170,7 +171,7 @@ def _resident_bytes() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")
+@pytest.mark.vllm
 def test_default_model_and_sampler_two_steps_write_metrics_and_wandb_files(tmp_path):
     result = run_cli(tmp_path, "trainer.steps=2", "trainer.prompts_per_step=4", "eval.max_problems=8",
                      "eval.n_samples=4", "eval.every=0", "trainer.weight_decay=0", "trainer.warmup_steps=0",
@@ -247,17 +248,35 @@ def test_hub_model_without_network_says_pass_a_local_path(tmp_path):
     assert "Qwen/Qwen2.5-7B" in stderr and "model.path=" in stderr and "no network" in stderr
 
 
-def test_vllm_sampler_without_vllm_says_how_to_install(tmp_path):
-    # hide vLLM from this one process: the only way to cause "not installed" on a machine that has it
+def hiding_vllm(tmp_path: Path) -> dict:
+    """The environment of a process that cannot import vLLM: the only way to cause "not installed" on a machine that
+    has it (tests/test_setup.py builds a venv without it)."""
     hide_vllm = tmp_path / "hide_vllm"
-    hide_vllm.mkdir()
+    hide_vllm.mkdir(exist_ok=True)
     (hide_vllm / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
-    stderr = run_bad(tmp_path / "run", "sampler=vllm", env={"PYTHONPATH": str(hide_vllm)})
+    return {"PYTHONPATH": str(hide_vllm)}
+
+
+def test_vllm_sampler_without_vllm_says_how_to_install(tmp_path):
+    stderr = run_bad(tmp_path / "run", "sampler=vllm", env=hiding_vllm(tmp_path))
     assert "sampler=vllm needs vLLM" in stderr and "sampler=hf" in stderr and "pip install" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_the_default_sampler_without_vllm_is_hf_said_once_and_saved(tmp_path):
+    run_dir = tmp_path / "run"
+    done = run_cli(run_dir, *TINY, "trainer.steps=1", "logger=none", EAGER, env=hiding_vllm(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr  # Hydra logs to stdout
+    assert said.count("sampler=auto: vLLM is not installed here") == 1 and "or set sampler=vllm" in said
+    saved = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    assert saved["sampler"]["name"] == "hf"  # what ran, as the precision is saved
+    assert saved["trainer"]["lr"] == DEFAULT_LR  # the lr an unset trainer.lr meant, saved (the default may move)
+    assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in row] == [1]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed: bash scripts/setup.sh")
+@pytest.mark.vllm
 def test_a_sampler_dtype_vllm_refuses_names_the_key(tmp_path):
     # vLLM refuses float16 for Gemma 2 on any machine: a real refusal of the kind some CPUs give every model
     stderr = run_bad(tmp_path, "+model.random_init.model_type=gemma2", "+model.random_init.head_dim=64",

@@ -122,10 +122,19 @@ def read_jsonl(path: Path) -> list[tuple[int, Any]]:
     return rows
 
 
+# what an unset trainer.lr meant for every weight until 2026-12-01 (DEFAULT_LR then); runs since save the lr they ran
+LR_UNSET_BEFORE_2026_12_01 = 1e-5
+
+
 def upgraded_config(saved: dict) -> dict:
     """A config saved by an older fgrpo in today's keys: ``dataset.verifier: <kind>`` (before 2026-12-01) is the
     one-entry ``dataset.rewards`` list of that built-in check, ``verifier_timeout_s`` and ``verifier_workers`` are
-    ``reward_timeout_s`` and ``reward_workers``."""
+    ``reward_timeout_s`` and ``reward_workers``; an unset ``trainer.lr`` without LoRA is the 1e-5 it meant then (the
+    LoRA default has not moved)."""
+    trainer = saved.get("trainer") or {}
+    lora_rank = ((saved.get("model") or {}).get("lora") or {}).get("rank")
+    if "lr" in trainer and trainer["lr"] is None and lora_rank is None:
+        saved = {**saved, "trainer": {**trainer, "lr": LR_UNSET_BEFORE_2026_12_01}}
     dataset = dict(saved.get("dataset") or {})
     if "verifier" not in dataset:
         return saved

@@ -170,7 +170,7 @@ def fit_learner_to_gpus(folder: Path, cfg, world: int) -> None:
     if lora is not None:
         shape["adapter_params"] = adapter_params(folder, lora)
     card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    vllm_share = hw.sampler_gpu_memory_utilization if cfg.sampler.name == "vllm" else 0.0
+    vllm_share = hw.sampler_gpu_memory_utilization if cfg.sampler.name != "hf" else 0.0
     available = card * (1 - vllm_share)
     if "auto" in (hw.micro_batch_tokens, hw.keep_matmul_outputs_gib):
         fixed = None if hw.micro_batch_tokens == "auto" else _tokens(cfg)  # kept outputs sized for the real micro-batch

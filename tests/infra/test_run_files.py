@@ -41,3 +41,13 @@ def test_a_config_saved_before_reward_functions_reads_in_todays_keys():
         "dataset.rewards: [{'fn': 'numeric', 'name': None, 'weight': 1.0, 'verdict': False, 'threshold': 1.0}] -> "
         "[{'fn': 'math', 'name': None, 'weight': 1.0, 'verdict': False, 'threshold': 1.0}]"]
     assert upgraded_config(new) is new
+
+
+def test_an_unset_lr_saved_before_2026_12_01_is_the_1e_5_it_meant():
+    from fgrpo.infra.run_files import upgraded_config
+
+    assert upgraded_config({"trainer": {"lr": None}, "model": {}})["trainer"]["lr"] == 1e-5
+    assert upgraded_config({"trainer": {"lr": None}, "model": {"lora": {"rank": None}}})["trainer"]["lr"] == 1e-5
+    assert upgraded_config({"trainer": {"lr": 3e-6}})["trainer"]["lr"] == 3e-6
+    lora = {"trainer": {"lr": None}, "model": {"lora": {"rank": 8}}}  # LoRA's default (2e-4) is what it was
+    assert upgraded_config(lora)["trainer"]["lr"] is None

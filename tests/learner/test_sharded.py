@@ -127,6 +127,7 @@ def test_the_loops_collectives_on_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 @pytest.mark.parametrize("tensor_parallel", [1, 2])
 def test_each_ranks_vllm_scores_as_the_sharded_learner_after_a_push(tmp_path, tensor_parallel):
     done = torchrun(2, CHILDREN / "sharded_push.py", str(tmp_path / "gap"), str(tensor_parallel))
@@ -151,7 +152,7 @@ def torchrun_run_py(tmp_path: Path, *overrides: str) -> subprocess.CompletedProc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampler", ["hf", "vllm"])
+@pytest.mark.parametrize("sampler", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_torchrun_trains_on_two_ranks_and_rank_0_writes_once(tmp_path, sampler):
     done = torchrun_run_py(tmp_path, f"sampler={sampler}", "trainer.save_final=true")
     assert done.returncode == 0, done.stderr[-3000:]
