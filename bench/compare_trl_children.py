@@ -42,7 +42,9 @@ def compose_config(spec: dict, seed: int = 0):
         # room for the prompt beside long completions (a prompt here is about 44 tokens)
         f"sampler.max_model_len={max(512, t + 256)}",
     ] + ([f"sampler={spec['sampler']}"] if spec.get("sampler") else []) \
-      + ([f"model.lora.rank={spec['lora']}"] if spec.get("lora") else []) + list(spec.get("overrides", []))
+      + ([f"model.lora.rank={spec['lora']}"] if spec.get("lora") else []) \
+      + (["hardware.compile_learner=true"] if spec.get("hardware", "cpu") == "cpu" else []) \
+      + list(spec.get("overrides", []))  # compiled (auto would run a few steps eager): steady steps, as a long run's
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose("config", overrides=overrides)
 

@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     settle_auto_layout(model, hw, args, cuda)
     if hw["gradient_checkpointing"]:
         model.gradient_checkpointing_enable()
-    if hw["compile_learner"]:
+    if hw["compile_learner"]:  # auto too: a benchmark times the steady steps after the first, as of a long run
         compile_decoder_layers(model, selective_checkpoint=kept_gib(hw) > 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
 

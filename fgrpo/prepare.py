@@ -36,7 +36,7 @@ from fgrpo.infra.errors import ConfigError, DataError
 from fgrpo.infra.precision import Precision, resolve_precision
 from fgrpo.infra.process_memory import bound_kernel_caches, keep_freed_memory
 from fgrpo.infra.tracking import NoTracker, Tracker
-from fgrpo.learner.compiled_layers import auto_kept_matmul_gib, require_cpp_compiler
+from fgrpo.learner.compiled_layers import auto_kept_matmul_gib, require_cpp_compiler, settle_compile
 from fgrpo.learner.flex_attention import flex_available
 from fgrpo.learner.gpu_memory import fit_learner_to_gpus
 from fgrpo.learner.learner import LearnerSettings
@@ -152,8 +152,11 @@ def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
                  check_data: Callable[[Data], None] | None = None) -> tuple[Data, Scorer]:
     """The config's ranges (and, training, its fit to ``world`` processes), the sampler's package and the device (and,
     training, the compiler of compiled layers), the reward functions (loaded where they run: their workers start), the
-    data and the functions' parameters against its columns. ``sampler=auto`` is settled first (vllm or hf)."""
+    data and the functions' parameters against its columns. ``sampler=auto`` is settled first (vllm or hf), then,
+    training, ``hardware.compile_learner=auto`` (by the run's learner updates)."""
     settle_sampler(cfg)
+    if training:
+        settle_compile(cfg)
     # the lr an unset trainer.lr means today, written into the config the run saves (the default may move again)
     cfg.trainer.lr = learning_rate(cfg.trainer.lr, cfg.model.lora.rank)
     validate(cfg)

@@ -231,6 +231,8 @@ def _check_learner_layout(hw, need, attentions: tuple) -> None:
          "padded micro-batches")
     need(not hw.get("share_prompts") or tokens is not None, "hardware.share_prompts", True,
          "needs packed rows: set hardware.micro_batch_tokens (e.g. 4096), or hardware.share_prompts=false")
+    need(hw.compile_learner in (True, False, "auto"), "hardware.compile_learner", hw.compile_learner,
+         "must be true, false or auto (compiled for runs of 40 learner updates or more)")
     kept = hw.keep_matmul_outputs_gib
     numeric = isinstance(kept, (int, float)) and not isinstance(kept, bool)
     need(kept == "auto" or (numeric and kept >= 0), "hardware.keep_matmul_outputs_gib", kept,

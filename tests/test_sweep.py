@@ -23,7 +23,7 @@ TINY = [
     "model=tiny_random", "sampler=hf", "logger=wandb", "trainer.steps=2", "trainer.prompts_per_step=2",
     "algo.group_size=2", "eval.n_samples=2", "eval.max_problems=2", "sampler.max_new_tokens=4",
     # the compiled learner (about 40 s of compiling a run on a 2-core CPU) is the subject of
-    # tests/learner/test_compiled_layers.py and of the default runs in test_run.py and test_resume.py
+    # tests/learner/test_compiled_layers.py and of the compiled runs in test_run.py and test_resume.py
     "hardware.compile_learner=false",
 ]
 GRID = ["algo=grpo,cispo", "focal.gamma=0,1"]
@@ -173,8 +173,8 @@ def test_report_on_mixed_configs_and_empty_dir(local_sweep, tmp_path):
     shutil.copytree(sweep_dir, mixed / "b")  # as if a second sweep ran with another learning rate
     for run_dir in run_dirs(mixed / "b"):
         text = (run_dir / ".hydra" / "config.yaml").read_text()
-        assert "  lr: 2.0e-05" in text  # unset: the default, resolved and saved by the run
-        (run_dir / ".hydra" / "config.yaml").write_text(text.replace("  lr: 2.0e-05", "  lr: 3.0e-05"))
+        assert "  lr: 3.0e-05" in text  # unset: the default, resolved and saved by the run
+        (run_dir / ".hydra" / "config.yaml").write_text(text.replace("  lr: 3.0e-05", "  lr: 2.0e-05"))
     for target, message in [(mixed, "mix different configurations"), (tmp_path / "empty", "no runs found")]:
         target.mkdir(exist_ok=True)
         result = make_report(target)

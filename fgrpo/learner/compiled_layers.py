@@ -12,6 +12,27 @@ import torch
 
 from fgrpo.infra.errors import ConfigError
 
+log = logging.getLogger("fgrpo")
+
+# hardware.compile_learner=auto compiles a run of at least this many learner updates (trainer.steps x mini_batches).
+# The compile costs 35-45 s on a 2-core Xeon with AMX and 140 s on a 2-core AVX2-only EPYC, once; it saves an update
+# of the default run 0.8 s in fp32 and 2-3 s in bf16 on that Xeon, about 1.7 s in fp32 on that EPYC (projected): it
+# pays after 15-20 updates (Xeon, bf16) to about 80 (EPYC, fp32; docs/performance.md, bench/RESULTS.md, issue 64)
+COMPILE_AFTER_UPDATES = 40
+
+
+def settle_compile(cfg) -> None:
+    """``hardware.compile_learner=auto`` becomes true for a run of at least :data:`COMPILE_AFTER_UPDATES` learner
+    updates and false (eager) for a shorter one, such as the default run, before the config is validated and saved."""
+    hw = cfg.hardware
+    if hw.compile_learner != "auto":
+        return
+    updates = cfg.trainer.steps * cfg.trainer.mini_batches
+    hw.compile_learner = updates >= COMPILE_AFTER_UPDATES
+    if not hw.compile_learner:
+        log.info("hardware.compile_learner=auto: learner updates %d < %d, so the learner runs eager (compiling would "
+                 "cost more than it saves; hardware.compile_learner=true compiles anyway)", updates, COMPILE_AFTER_UPDATES)
+
 
 def require_cpp_compiler() -> None:
     """torch.compile on CPU writes C++; fail before the model loads when there is no compiler."""

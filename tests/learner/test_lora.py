@@ -187,7 +187,7 @@ def test_a_resume_that_mixes_lora_and_full_weights_is_refused(compose):
     full, lora = to_container(compose()), to_container(compose("model.lora.rank=8"))
     # the unset lr is each one's default: they differ too (a saved unset lr without LoRA is the 1e-5 it meant then)
     assert experiment_differences(full, lora) == ["model.lora.rank: None -> 8", "trainer.lr: 1e-05 -> 0.0002"]
-    assert experiment_differences(lora, full) == ["model.lora.rank: 8 -> None", "trainer.lr: 0.0002 -> 2e-05"]
+    assert experiment_differences(lora, full) == ["model.lora.rank: 8 -> None", "trainer.lr: 0.0002 -> 3e-05"]
     before_lora = copy.deepcopy(full)
     del before_lora["model"]["lora"]  # a checkpoint written before model.lora existed
     assert experiment_differences(before_lora, lora)[0] == "model.lora.rank: <absent: every weight trained> -> 8"
@@ -202,13 +202,13 @@ def test_an_unset_lr_is_the_default_for_what_trains_and_a_set_one_wins(compose):
     assert learner_settings(compose()).lr == DEFAULT_LR
     assert learner_settings(compose("model.lora.rank=16")).lr == DEFAULT_LORA_LR
     assert learner_settings(compose("model.lora.rank=16", "trainer.lr=3e-5")).lr == 3e-5
-    # a run saves the lr it resolved; one saved with lr unset before 2026-12-01 ran at 1e-5, today's unset lr is 2e-5
-    saved = to_container(compose("trainer.lr=2e-5"))
+    # a run saves the lr it resolved; one saved with lr unset before 2026-12-01 ran at 1e-5, today's unset lr is 3e-5
+    saved = to_container(compose("trainer.lr=3e-5"))
     assert experiment_differences(saved, to_container(compose())) == []
-    assert experiment_differences(saved, to_container(compose("trainer.lr=1e-5"))) == ["trainer.lr: 2e-05 -> 1e-05"]
+    assert experiment_differences(saved, to_container(compose("trainer.lr=1e-5"))) == ["trainer.lr: 3e-05 -> 1e-05"]
     unset_then = to_container(compose())
     assert unset_then["trainer"]["lr"] is None
-    assert experiment_differences(unset_then, to_container(compose())) == ["trainer.lr: 1e-05 -> 2e-05"]
+    assert experiment_differences(unset_then, to_container(compose())) == ["trainer.lr: 1e-05 -> 3e-05"]
     assert experiment_differences(unset_then, to_container(compose("trainer.lr=1e-5"))) == []
     lora_then = to_container(compose("model.lora.rank=16"))  # the LoRA default has not moved
     assert experiment_differences(lora_then, to_container(compose("model.lora.rank=16"))) == []
