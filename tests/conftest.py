@@ -79,7 +79,9 @@ def slurm_problem() -> str | None:
 
 @pytest.fixture
 def slurm():
-    """Skips the test, saying why, where no Slurm cluster is up (scripts/local-slurm start)."""
+    """Skips the test, saying why, where no Slurm cluster is up (scripts/local-slurm start); fails it under CI=true."""
+    from ci_strict import skip_unless_ci
+
     problem = slurm_problem()
     if problem:
-        pytest.skip(problem)
+        skip_unless_ci(problem)
