@@ -50,6 +50,7 @@ def train(
     the run's saved config file (Hydra's ``.hydra/config.yaml``), rewritten with the settled precision.
     """
     ranks = distributed.init_from_env(single_process_group=cfg.hardware.fsdp)  # several processes (torchrun, Slurm tasks): each its share of the prompts
+    distributed.check_shared_run_dir(run_dir, ranks)  # before anything is loaded: a node must see rank 0's files
     run = prepare(cfg, ranks, saved_config=saved_config)
     with contextlib.closing(run.scorer):  # the reward workers end with the run, however it ends
         return train_prepared(cfg, run, run_dir, ranks, run_name=run_name, overrides=overrides)

@@ -235,3 +235,37 @@ def close() -> None:
         dist.destroy_process_group()
     if _joined_group:  # also when vLLM's shutdown destroyed the group: the workers live on
         time.sleep(GLOO_DRAIN_S)
+
+
+def check_shared_run_dir(run_dir, ranks: Ranks) -> None:
+    """Every rank must see what rank 0 writes in the run directory (checkpoints, and the listing a resume reads): rank
+    0 writes a marker there and each rank looks for it. A rank that cannot see it (a node-local path, a directory
+    not mounted on its node) stops every rank with one line naming ``hydra.run.dir``, before any model loads."""
+    import socket
+    import uuid
+    from pathlib import Path
+
+    from fgrpo.infra.errors import ConfigError
+
+    if not active():
+        return
+    run_dir = Path(run_dir)
+    marker = run_dir / from_rank0(f".fgrpo-shared-{uuid.uuid4().hex}" if ranks.main else None)
+    if ranks.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        marker.write_text("written by rank 0 to check that every rank sees this directory\n")
+    dist.barrier()
+
+    def look() -> None:
+        if not marker.is_file():
+            raise ConfigError(
+                f"hydra.run.dir={run_dir}: rank {ranks.rank} (on {socket.gethostname()}) does not see the files rank 0 "
+                "writes there; every node needs the run directory on a filesystem they all mount: set "
+                "hydra.run.dir (or hydra.sweep.dir) to such a path, e.g. one under your home or project space")
+
+    try:
+        agree(look)
+    finally:
+        dist.barrier()  # every rank has looked before the marker goes
+        if ranks.main:
+            marker.unlink(missing_ok=True)
