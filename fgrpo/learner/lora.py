@@ -102,24 +102,42 @@ def adapters_disabled(model):
             layer.enable_adapters(True)
 
 
-def sampler_weights(model, whole=lambda t: t) -> Iterator[tuple[str, torch.Tensor]]:
+def sampler_weights(model, whole=lambda t: t, dtype: torch.dtype | None = None,
+                    skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of ``model``'s weights under the base model's own names, each LoRA layer's weight merged out
-    of place (``W + scale * B @ A``, in the base weight's dtype); ``whole`` gathers a sharded tensor. Without adapters:
-    the state dict as it is."""
+    of place (``W + scale * B @ A`` in fp32); ``whole`` gathers a sharded tensor. Each tensor comes in ``dtype`` (None:
+    its own), cast before it is gathered: a sharded learner gathers the sampler's bytes (bf16: half of fp32's), and a
+    LoRA weight is merged shard by shard (its rows of B with all of A) first. Without adapters: the state dict as it
+    is, cast. Names in ``skip`` (a tied LM head: the embedding's weight again) are neither gathered nor yielded."""
     modules = dict(model.named_modules())
     for name, tensor in model.state_dict().items():
-        if is_adapter_weight(name):
+        if is_adapter_weight(name) or name in skip:
             continue
         if ".base_layer." not in name:
-            yield name, whole(tensor)
+            yield name, whole(tensor.to(dtype) if dtype is not None else tensor)
             continue
         owner, leaf = name.split(".base_layer.")
-        weight = whole(tensor)
         if leaf == "weight":
             layer = modules[owner]
-            delta = whole(layer.lora_B[ADAPTER].weight) @ whole(layer.lora_A[ADAPTER].weight)
-            weight = (weight.float() + layer.scaling[ADAPTER] * delta).to(weight.dtype)
-        yield f"{owner}.{leaf}", weight
+            tensor = _merged(tensor, layer.lora_B[ADAPTER].weight, whole(layer.lora_A[ADAPTER].weight),
+                             layer.scaling[ADAPTER], dtype or tensor.dtype)
+        elif dtype is not None:
+            tensor = tensor.to(dtype)
+        yield f"{owner}.{leaf}", whole(tensor)
+
+
+def _merged(weight: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor, scale: float,
+            dtype: torch.dtype) -> torch.Tensor:
+    """``W + scale * B @ A`` [out, in] in fp32, cast to ``dtype``. A sharded W and B (FSDP2: each rank the same rows
+    of both, dim 0 split alike) merge on each rank's own rows with ``lora_a`` whole [r, in]; the result is sharded
+    as W is."""
+    if not hasattr(weight, "to_local"):
+        return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(dtype)
+    from torch.distributed.tensor import DTensor
+
+    rows = weight.to_local().float() + scale * (lora_b.to_local().float() @ lora_a.float())
+    return DTensor.from_local(rows.to(dtype), weight.device_mesh, weight.placements, shape=weight.shape,
+                              stride=weight.stride())
 
 
 def lora_settings_of(model_cfg) -> LoraSettings | None:

@@ -223,11 +223,12 @@ class VLLMSampler:
             self.llm.wake_up()
             self.asleep = False
         tied = getattr(model.config, "tie_word_embeddings", False)
-        # cast to the engine's dtype here: one copy per tensor, and no per-tensor dtype warnings; a sharded learner's
-        # tensor is gathered whole first (every rank in the same order: each gather is a collective)
+        # in the engine's dtype: one copy per tensor, and no per-tensor dtype warnings; a sharded learner's tensor is
+        # cast on each rank's shard, then gathered whole (every rank in the same order: each gather is a collective)
         # LoRA adapters merged out of place under the base's names (fgrpo.learner.lora); else the state dict as it is
-        weights = ((name, tensor.detach().to(self.dtype)) for name, tensor in sampler_weights(model, whole)
-                   if not (tied and name == "lm_head.weight"))
+        # a tied LM head is the embedding's weight: not gathered a second time
+        weights = ((name, tensor.detach()) for name, tensor in
+                   sampler_weights(model, whole, dtype=self.dtype, skip=frozenset({"lm_head.weight"} if tied else ())))
         # reload_weights re-runs the post-load weight processing (CPU kernels prepack weights), which
         # a bare model.load_weights would skip
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))

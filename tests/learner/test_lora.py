@@ -68,6 +68,10 @@ def test_the_sampler_gets_merged_weights_under_the_base_names_and_the_base_stays
             if ".base_layer." in name:
                 assert torch.equal(tensor, base[name.replace(".base_layer.", ".")]), name
     assert dict(sampler_weights(tiny_model)).keys() == base.keys()  # without adapters: the state dict as it is
+    # in the sampler's dtype: the merged fp32 weights cast, and a skipped name neither computed nor yielded
+    in_bf16 = dict(sampler_weights(model, dtype=torch.bfloat16, skip=frozenset({"lm_head.weight"})))
+    assert in_bf16.keys() == merged.keys() - {"lm_head.weight"}
+    assert all(torch.equal(tensor, merged[name].to(torch.bfloat16)) for name, tensor in in_bf16.items())
 
 
 def test_adapters_off_is_the_base_model(tiny_model):

@@ -138,6 +138,19 @@ def test_each_ranks_vllm_scores_as_the_sharded_learner_after_a_push(tmp_path, te
         assert seen["after"] < 1e-4  # fp32 both sides: 2e-6 seen
 
 
+def test_a_sharded_push_gathers_the_samplers_dtype_and_sends_the_same_weights(tmp_path):
+    """Cast on each rank's shard, then gathered (LoRA merged on each rank's rows first), against gathered whole in fp32
+    and then cast, the push before: the same bf16 weights, bit for bit, for less than half the bytes (the tied LM
+    head, the embedding's weight, is not gathered a second time)."""
+    done = torchrun(2, CHILDREN / "sharded_push_dtype.py", str(tmp_path / "push"), "tiny")
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads((tmp_path / "push.json").read_text())
+    assert seen["world"] == 2 and seen["cases"].keys() == {"every weight", "lora"}
+    for case in seen["cases"].values():
+        assert case["differing"] == [] and case["largest_difference"] == 0.0
+        assert 2 * case["bytes_after"] < case["bytes_before"]
+
+
 TINY_RUN = ["model=tiny_random", "logger=wandb", "trainer.steps=2", "trainer.prompts_per_step=4", "algo.group_size=2",
             "eval.n_samples=2", "eval.max_problems=3", "sampler.max_new_tokens=4", "eval.every=0",
             # compiling the layers under FSDP took 290 s on 2 busy cores
