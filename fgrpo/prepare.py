@@ -152,9 +152,11 @@ def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
                  check_data: Callable[[Data], None] | None = None) -> tuple[Data, Scorer]:
     """The config's ranges (and, training, its fit to ``world`` processes), the sampler's package and the device (and,
     training, the compiler of compiled layers), the reward functions (loaded where they run: their workers start), the
-    data and the functions' parameters against its columns. ``sampler=auto`` is settled first (vllm or hf), then,
-    training, ``hardware.compile_learner=auto`` (by the run's learner updates)."""
+    data and the functions' parameters against its columns. ``sampler=auto`` is settled first (vllm or hf), and
+    ``sampler.enforce_eager=auto`` (by the device), then, training, ``hardware.compile_learner=auto`` (by the run's
+    learner updates)."""
     settle_sampler(cfg)
+    cfg.sampler.enforce_eager = vllm_enforce_eager(cfg.sampler.enforce_eager, cfg.hardware.device)  # saved as it ran
     if training:
         settle_compile(cfg)
     # the lr an unset trainer.lr means today, written into the config the run saves (the default may move again)
@@ -303,7 +305,7 @@ def settle_hardware(cfg: DictConfig, saved_config: Path | None = None, ranks: Ra
         lambda: resolve_precision(hw.device, hw.autocast_dtype, hw.sampler_dtype) if ranks.main else None))
     hw.autocast_dtype, hw.sampler_dtype = precision.autocast_dtype, precision.sampler_dtype
     if hw.keep_matmul_outputs_gib == "auto":
-        selective = hw.gradient_checkpointing and hw.compile_learner
+        selective = hw.gradient_checkpointing and hw.compile_learner is True  # auto: unsettled (an evaluation)
         matmul_dtype = getattr(torch, hw.autocast_dtype or hw.learner_dtype)
         hw.keep_matmul_outputs_gib = auto_kept_matmul_gib(matmul_dtype) if selective else 0.0
     log.info("precision: learner matmuls in %s (%s weights%s), sampler in %s; %s%s",
@@ -356,7 +358,7 @@ def make_sampler(cfg: DictConfig, folder: Path, policy, tokenizer, ranks: Ranks 
             gpu_memory_utilization=cfg.hardware.sampler_gpu_memory_utilization,
             tensor_parallel_size=cfg.sampler.tensor_parallel_size, distributed=ranks.world > 1,
             sleep=cfg.hardware.sampler_sleep,
-            enforce_eager=vllm_enforce_eager(cfg.sampler.enforce_eager, cfg.hardware.device),
+            enforce_eager=vllm_enforce_eager(cfg.sampler.enforce_eager, cfg.hardware.device),  # settled: as it is
         )
     return HFSampler(policy, tokenizer, batch_size=cfg.sampler.hf_batch_size, autocast_dtype=cfg.hardware.autocast_dtype)
 

@@ -90,7 +90,7 @@ else
   vllm_state=without-vllm
   reason=$(grep -m1 '^ERROR' "$vllm_log" || tail -n1 "$vllm_log")
   echo "setup: no vLLM installs here (pip: ${reason#ERROR: }); sampling will use transformers (sampler=auto picks" \
-       "sampler=hf; a step of the default run 2.2x as long on a Xeon with AMX), everything else as usual; pip's output: $vllm_log"
+       "sampler=hf; a step of the 30-step default run 2.2x as long on a Xeon with AMX), everything else as usual; pip's output: $vllm_log"
 fi
 
 # 3. The bundled model as runs load it, dequantised from its GGUF once into the model cache ($FGRPO_CACHE, else

@@ -276,6 +276,7 @@ def test_the_default_sampler_without_vllm_is_hf_said_once_and_saved(tmp_path):
     saved = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
     assert saved["sampler"]["name"] == "hf"  # what ran, as the precision is saved
     assert saved["hardware"]["compile_learner"] is False  # settled, as the sampler
+    assert saved["sampler"]["enforce_eager"] is True  # auto on the CPU
     assert saved["trainer"]["lr"] == DEFAULT_LR  # the lr an unset trainer.lr meant, saved (the default may move)
     assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in row] == [1]
 

@@ -251,12 +251,18 @@ def check_shared_run_dir(run_dir, ranks: Ranks) -> None:
         return
     run_dir = Path(run_dir)
     marker = run_dir / from_rank0(f".fgrpo-shared-{uuid.uuid4().hex}" if ranks.main else None)
-    if ranks.main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        marker.write_text("written by rank 0 to check that every rank sees this directory\n")
-    dist.barrier()
+
+    def write() -> None:
+        if ranks.main:  # a directory rank 0 cannot write (read-only, full) stops every rank too
+            run_dir.mkdir(parents=True, exist_ok=True)
+            marker.write_text("written by rank 0 to check that every rank sees this directory\n")
+
+    agree(write)
 
     def look() -> None:
+        deadline = time.monotonic() + 10  # a network filesystem may show a new file to other nodes a little later
+        while not marker.is_file() and time.monotonic() < deadline:
+            time.sleep(0.5)
         if not marker.is_file():
             raise ConfigError(
                 f"hydra.run.dir={run_dir}: rank {ranks.rank} (on {socket.gethostname()}) does not see the files rank 0 "

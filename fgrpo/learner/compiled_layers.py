@@ -15,9 +15,10 @@ from fgrpo.infra.errors import ConfigError
 log = logging.getLogger("fgrpo")
 
 # hardware.compile_learner=auto compiles a run of at least this many learner updates (trainer.steps x mini_batches).
-# The compile costs 35-45 s on a 2-core Xeon with AMX and 140 s on a 2-core AVX2-only EPYC, once; it saves an update
-# of the default run 0.8 s in fp32 and 2-3 s in bf16 on that Xeon, about 1.7 s in fp32 on that EPYC (projected): it
-# pays after 15-20 updates (Xeon, bf16) to about 80 (EPYC, fp32; docs/performance.md, bench/RESULTS.md, issue 64)
+# The compile costs 35-55 s on a 2-core Xeon with AMX (by the hour's speed) and 140 s on a 2-core AVX2-only EPYC, once;
+# it saves a learner update of the default run 0.8-1.9 s in fp32 and 2.4 s in bf16 on that Xeon, about 3 s in fp32 on
+# that EPYC (projected): it pays after about 19 updates (Xeon, bf16), 29-42 (Xeon, fp32) and 46 (the EPYC; issue 64's
+# section of bench/RESULTS.md). A resumed run counts all of trainer.steps, not the steps left: one rule per run.
 COMPILE_AFTER_UPDATES = 40
 
 

@@ -84,7 +84,7 @@ def settle_sampler(cfg) -> None:
     cfg.sampler.name = from_rank0("vllm" if installed else "hf")
     if cfg.sampler.name == "hf" and not installed:
         log.warning("sampler=auto: vLLM is not installed here, so transformers generates the samples (sampler=hf; a "
-                    "step of the default run took 2.2x as long on a Xeon with AMX). Install vLLM with bash "
+                    "step of the 30-step default run took 2.2x as long on a Xeon with AMX). Install vLLM with bash "
                     "scripts/setup.sh where it has a build (Linux), or set sampler=vllm to stop instead of falling back")
 
 
@@ -151,9 +151,9 @@ def release_cached_gpu_memory() -> int:
     import gc
 
     gc.collect()
-    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    reserved = torch.cuda.memory_reserved()
     torch.cuda.empty_cache()
-    return cached
+    return reserved - torch.cuda.memory_reserved()
 
 
 class VLLMSampler:

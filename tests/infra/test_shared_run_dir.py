@@ -45,7 +45,7 @@ def test_a_rank_that_cannot_see_the_run_directory_stops_every_rank_in_one_line(t
             for each in processes:
                 os.killpg(each.pid, signal.SIGKILL)
             raise AssertionError(f"a node still running after {TIMEOUT_S} s: a rank left waiting")
-    assert [p.returncode for p in processes] != [0, 0] and all(p.returncode != 0 for p in processes)
+    assert all(p.returncode != 0 for p in processes)
     said = outputs[0][0] + outputs[0][1]  # rank 0's: Hydra logs to stdout, the error goes to stderr
     assert f"hydra.run.dir={run_dir}: rank 1 (on " in said and "does not see the files rank 0 writes there" in said
     worker = outputs[0][1].split("torch/distributed/elastic")[0]  # torchrun's agent then reports the exit its way

@@ -52,10 +52,11 @@ def test_releasing_cached_gpu_memory_gives_back_what_torch_holds_unused():
     if not torch.cuda.is_available():
         assert release_cached_gpu_memory() == 0  # nothing to give back, and no CUDA call made
         return
-    block = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+    block = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # a segment of its own (large allocations)
     del block  # freed to torch's cache, still reserved from the driver
+    reserved = torch.cuda.memory_reserved()
     assert release_cached_gpu_memory() >= 64 * 2**20
-    assert torch.cuda.memory_reserved() == torch.cuda.memory_allocated()
+    assert reserved - torch.cuda.memory_reserved() >= 64 * 2**20
 
 
 @pytest.mark.slow
