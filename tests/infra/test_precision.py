@@ -68,9 +68,11 @@ def test_where_bf16_is_emulated_auto_picks_float32_and_explicit_bf16_warns():
     assert warning.count("GFLOP/s") == 2 and "hardware.autocast_dtype=auto" in warning  # both rates, and the fix
 
 
+# compile_learner set: a run settles auto (fgrpo.learner.compiled_layers.settle_compile) before settle_hardware
 @pytest.mark.parametrize("overrides, kept", [
-    (["hardware.autocast_dtype=bfloat16"], 0.3),
-    (["hardware.autocast_dtype=null"], 0.6),  # fp32 outputs take twice the bytes: the same layers kept
+    (["hardware.autocast_dtype=bfloat16", "hardware.compile_learner=true"], 0.3),
+    # fp32 outputs take twice the bytes: the same layers kept
+    (["hardware.autocast_dtype=null", "hardware.compile_learner=true"], 0.6),
     (["hardware.autocast_dtype=float32", "hardware.compile_learner=false"], 0.0),  # no selective graph to keep them
     (["hardware.autocast_dtype=null", "hardware.keep_matmul_outputs_gib=0.25"], 0.25),  # the user's value wins
 ])
