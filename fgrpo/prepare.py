@@ -153,12 +153,10 @@ def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
     """The config's ranges (and, training, its fit to ``world`` processes), the sampler's package and the device (and,
     training, the compiler of compiled layers), the reward functions (loaded where they run: their workers start), the
     data and the functions' parameters against its columns. ``sampler=auto`` is settled first (vllm or hf), and
-    ``sampler.enforce_eager=auto`` (by the device), then, training, ``hardware.compile_learner=auto`` (by the run's
-    learner updates)."""
+    ``sampler.enforce_eager=auto`` (by the device) and ``hardware.compile_learner=auto`` (by the run's learner updates)."""
     settle_sampler(cfg)
     cfg.sampler.enforce_eager = vllm_enforce_eager(cfg.sampler.enforce_eager, cfg.hardware.device)  # saved as it ran
-    if training:
-        settle_compile(cfg)
+    settle_compile(cfg, say=training)
     # the lr an unset trainer.lr means today, written into the config the run saves (the default may move again)
     cfg.trainer.lr = learning_rate(cfg.trainer.lr, cfg.model.lora.rank)
     validate(cfg)
@@ -305,7 +303,7 @@ def settle_hardware(cfg: DictConfig, saved_config: Path | None = None, ranks: Ra
         lambda: resolve_precision(hw.device, hw.autocast_dtype, hw.sampler_dtype) if ranks.main else None))
     hw.autocast_dtype, hw.sampler_dtype = precision.autocast_dtype, precision.sampler_dtype
     if hw.keep_matmul_outputs_gib == "auto":
-        selective = hw.gradient_checkpointing and hw.compile_learner is True  # auto: unsettled (an evaluation)
+        selective = hw.gradient_checkpointing and hw.compile_learner
         matmul_dtype = getattr(torch, hw.autocast_dtype or hw.learner_dtype)
         hw.keep_matmul_outputs_gib = auto_kept_matmul_gib(matmul_dtype) if selective else 0.0
     log.info("precision: learner matmuls in %s (%s weights%s), sampler in %s; %s%s",

@@ -14,11 +14,16 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import time
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from fgrpo.infra.errors import ConfigError
 
 log = logging.getLogger("fgrpo")
 
@@ -127,8 +132,6 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -241,12 +244,6 @@ def check_shared_run_dir(run_dir, ranks: Ranks) -> None:
     """Every rank must see what rank 0 writes in the run directory (checkpoints, and the listing a resume reads): rank
     0 writes a marker there and each rank looks for it. A rank that cannot see it (a node-local path, a directory
     not mounted on its node) stops every rank with one line naming ``hydra.run.dir``, before any model loads."""
-    import socket
-    import uuid
-    from pathlib import Path
-
-    from fgrpo.infra.errors import ConfigError
-
     if not active():
         return
     run_dir = Path(run_dir)

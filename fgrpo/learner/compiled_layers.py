@@ -22,15 +22,16 @@ log = logging.getLogger("fgrpo")
 COMPILE_AFTER_UPDATES = 40
 
 
-def settle_compile(cfg) -> None:
+def settle_compile(cfg, say: bool = True) -> None:
     """``hardware.compile_learner=auto`` becomes true for a run of at least :data:`COMPILE_AFTER_UPDATES` learner
-    updates and false (eager) for a shorter one, such as the default run, before the config is validated and saved."""
+    updates and false (eager) for a shorter one, such as the default run, before the config is validated and saved.
+    ``say``: log an eager choice (not where nothing trains, an evaluation)."""
     hw = cfg.hardware
     if hw.compile_learner != "auto":
         return
     updates = cfg.trainer.steps * cfg.trainer.mini_batches
     hw.compile_learner = updates >= COMPILE_AFTER_UPDATES
-    if not hw.compile_learner:
+    if say and not hw.compile_learner:
         log.info("hardware.compile_learner=auto: learner updates %d < %d, so the learner runs eager (compiling would "
                  "cost more than it saves; hardware.compile_learner=true compiles anyway)", updates, COMPILE_AFTER_UPDATES)
 
