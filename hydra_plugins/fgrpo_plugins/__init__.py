@@ -11,8 +11,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import shutil
+import subprocess
 import sys
 import time
 import traceback
@@ -130,6 +133,38 @@ def _submitit_error_line(error: BaseException) -> str:
     return _first_line(error)
 
 
+def _partition_nodes(partition: str | None) -> int | None:
+    """How many nodes ``partition`` (the default one if None) has, by sinfo; None where sinfo cannot say."""
+    command = ["sinfo", "-h", "-o", "%D"] + (["-p", partition] if partition else [])
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
+        return sum(int(line) for line in out.split()) or None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def sbatch_refusal(stderr: str, params: dict) -> str:
+    """One line for sbatch's refusal of a job (submitit raises it with sbatch's stderr), naming the key to change."""
+    reason = next((line.split("error:", 1)[-1].strip() for line in stderr.splitlines() if "error:" in line),
+                  stderr.strip().splitlines()[-1] if stderr.strip() else "no reason given")
+    partition = params.get("partition")
+    where = f"partition {partition}" if partition else "the default partition"
+    if "Node count specification invalid" in reason:
+        nodes = _partition_nodes(partition)
+        has = f"has {nodes} node(s)" if nodes else "has fewer nodes"
+        return (f"sbatch refused the job ({reason}): hardware.slurm_nodes={params.get('nodes')} but {where} {has}; "
+                f"set hardware.slurm_nodes to at most {nodes or 'its node count'} or pick another partition "
+                f"(hydra.launcher.partition=...).")
+    too_big = ("Requested node configuration is not available", "More processors requested than permitted",
+               "Memory required by task is not available")
+    if any(phrase in reason for phrase in too_big):
+        return (f"sbatch refused the job ({reason}): no node in {where} has what one node of this job asks for "
+                f"(hardware.slurm_tasks_per_node={params.get('tasks_per_node')} x slurm_cpus_per_task="
+                f"{params.get('cpus_per_task')} CPUs, slurm_mem_gb={params.get('mem_gb')}, slurm_gpus_per_node="
+                f"{params.get('gpus_per_node') or 0}); lower them or pick another partition (hydra.launcher.partition=...).")
+    return f"sbatch refused the job: {reason} (the job's request comes from hardware.slurm_* and hydra.launcher.*)."
+
+
 class SlurmLauncher(SubmititSlurmLauncher):
     def __init__(self, **params: Any) -> None:
         # hardware=cpu asks for 0 GPUs: send no GPU request at all (a node without GRES rejects one)
@@ -171,10 +206,16 @@ class SlurmLauncher(SubmititSlurmLauncher):
             return []  # the parent then collects nothing
 
         submitit.AutoExecutor.map_array = capture
+        printed = io.StringIO()  # submitit prints sbatch's stderr when it refuses: said once, in our line, instead
         try:
-            super().launch(job_overrides, initial_job_idx)
+            with contextlib.redirect_stderr(printed):
+                super().launch(job_overrides, initial_job_idx)
+        except submitit.core.utils.FailedJobError as error:  # sbatch refused the job: bad input, nothing queued
+            print(f"error: {sbatch_refusal(str(error), self.params)} Nothing was submitted.", file=sys.stderr)
+            sys.exit(2)
         finally:
             submitit.AutoExecutor.map_array = original_map_array
+        sys.stderr.write(printed.getvalue())
 
         array_id = str(submitted[0].job_id).split("_")[0] if submitted else "-"
         log.info("waiting for %d Slurm array tasks (job %s)", len(submitted), array_id)
