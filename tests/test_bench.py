@@ -260,3 +260,17 @@ def test_lora_push_times_both_ways_and_they_sample_the_same_policy(tmp_path):
     # fp32 both ways: vLLM's LoRA path and the merged push sample the same greedy tokens, and not the base model's
     assert bench.agreement(results["merged"]["greedy"], results["vllm-lora"]["greedy"]) == 1.0
     assert bench.agreement(results["merged"]["base_greedy"], results["merged"]["greedy"]) < 1.0
+
+
+def test_rank_load_memory_prints_each_ranks_peak_both_ways(tmp_path):
+    rows = {}
+    for way in ([], ["--each-rank-whole"]):
+        out = tmp_path / f"load{len(way)}.json"
+        done = subprocess.run([sys.executable, str(REPO / "bench" / "rank_load_memory.py"), "--model", "tiny_random",
+                               "--kl", "--json", str(out), *way], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "| 1 |" in done.stdout and "largest non-zero rank's peak / rank 0's" in done.stdout
+        rows[bool(way)] = json.loads(out.read_text())["rows"]
+    for way_rows in rows.values():
+        assert [r["rank"] for r in way_rows] == [0, 1]
+        assert all(r["peak_gib"] >= r["rss_after_gib"] > 0 and r["load_s"] > 0 for r in way_rows)

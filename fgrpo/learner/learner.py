@@ -26,6 +26,7 @@ from fgrpo.algorithm.losses import LossSettings, policy_loss
 from fgrpo.learner.lora import LoraSettings, adapters_disabled, apply_lora, has_adapters, sampler_weights
 from fgrpo.learner.packing import MicroBatch, Sequence, micro_batches
 from fgrpo.infra.process_memory import release_freed_memory
+from fgrpo.learner.sharded_load import builds_on_meta, shard_from_rank0
 
 log = logging.getLogger("fgrpo")
 
@@ -79,7 +80,10 @@ class Learner:
         from fgrpo.learner.model import load_policy
 
         self.settings, self.loss, self.pad_id = settings, loss, pad_id
-        self.policy = load_policy(folder, dtype=settings.dtype, device=settings.device, attention=settings.attention)
+        self.sharded = distributed.active() or settings.fsdp  # fsdp in one process: a group of one (train.py)
+        # sharded over several ranks: rank 0 reads the weights, the others build on the meta device (sharded_load)
+        self.policy = load_policy(folder, dtype=settings.dtype, device=settings.device, attention=settings.attention,
+                                  empty=builds_on_meta(self.sharded))
         if settings.lora is not None:  # before the layers compile: the adapters are part of them
             trainable = apply_lora(self.policy, settings.lora)
             log.info("LoRA rank %d on %s: %.2fM trained parameters of %.2fM, lr %g", settings.lora.rank,
@@ -91,20 +95,18 @@ class Learner:
                                                            selective_checkpoint=settings.kept_matmul_gib > 0):
             log.warning("hardware.compile_learner: %s has no decoder-layer list to compile; running eager",
                         settings.model_name)
-        self.sharded = distributed.active() or settings.fsdp  # fsdp in one process: a group of one (train.py)
         if settings.sync_grads_once and not self.sharded:
             log.warning("hardware.sync_grads_once=true does nothing here: the learner is not sharded (one process "
                         "without hardware.fsdp), so its gradients are never reduce-scattered")
         if self.sharded:
-            shard_policy(self.policy, device=settings.device, autocast_dtype=settings.autocast_dtype,
-                         cpu_offload=settings.cpu_offload)
+            self._shard(self.policy)
         self.reference = None  # with LoRA the KL reference is the policy with its adapters off (no second copy)
         if loss.kl_coef > 0 and settings.lora is None:
             self.reference = load_policy(folder, dtype=settings.dtype, device=settings.device,
-                                         attention=settings.attention).eval().requires_grad_(False)
+                                         attention=settings.attention, empty=builds_on_meta(self.sharded))
+            self.reference.eval().requires_grad_(False)
             if self.sharded:
-                shard_policy(self.reference, device=settings.device, autocast_dtype=settings.autocast_dtype,
-                             cpu_offload=settings.cpu_offload)
+                self._shard(self.reference)
         # fused: one kernel over all parameters (on CPU 9x faster than the default per-tensor loop, same math)
         trained = [p for p in self.policy.parameters() if p.requires_grad]  # all, or LoRA's adapters alone
         self.optimizer = torch.optim.AdamW(trained, lr=settings.lr, betas=tuple(settings.betas),
@@ -112,6 +114,13 @@ class Learner:
         # linear warm-up, then constant (the paper: constant lr after 15 warm-up steps)
         warmup = max(settings.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
+
+    def _shard(self, model) -> None:
+        """FSDP2 over the ranks, the other ranks' shards set from rank 0's weights (their models built on meta)."""
+        s = self.settings
+        shard_from_rank0(model, lambda: shard_policy(model, device=s.device, autocast_dtype=s.autocast_dtype,
+                                                     cpu_offload=s.cpu_offload),
+                         device=s.device, shard_device="cpu" if s.cpu_offload else s.device)  # offloaded: host memory
 
     @property
     def lr(self) -> float:

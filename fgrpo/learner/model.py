@@ -201,9 +201,10 @@ def load_tokenizer(folder: Path):
     return tokenizer
 
 
-def load_policy(folder: Path, *, dtype: str, device: str, attention: str = "sdpa"):
+def load_policy(folder: Path, *, dtype: str, device: str, attention: str = "sdpa", empty: bool = False):
     """The trainable model, in train mode, on ``device``, with ``attention`` (sdpa | eager | segments | flex) as its
-    kernel.
+    kernel. ``empty``: built on the meta device, no weights read (a rank that receives its shards from rank 0:
+    fgrpo.learner.sharded_load).
 
     ``segments`` (fgrpo.learner.segment_attention, eager attention elsewhere) and ``flex`` (fgrpo.learner.flex_attention, sdpa
     elsewhere) in the learner's packed rows; only for the architectures they list.
@@ -228,8 +229,25 @@ def load_policy(folder: Path, *, dtype: str, device: str, attention: str = "sdpa
             raise ConfigError(f"hardware.attention=flex needs a head dimension of at least {FLEX_MIN_HEAD_DIM} "
                               f"(flex_attention's CUDA kernels), this model's is {head_dim}: set hardware.attention=sdpa")
         attention = implementation
+    if empty:
+        return _empty_policy(folder, dtype=getattr(torch, TORCH_DTYPES[dtype]), attention=attention)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, TORCH_DTYPES[dtype]),
                                                  attn_implementation=attention)
     model.to(device)
+    model.train()
+    return model
+
+
+def _empty_policy(folder: Path, *, dtype, attention: str):
+    """``folder``'s model on the meta device, as ``from_pretrained`` builds it less the weights: the same modules,
+    the LM head tied where the config ties it, the folder's generation config (the HF sampler's stop tokens)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+    if (Path(folder) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
     model.train()
     return model
