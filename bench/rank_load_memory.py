@@ -130,7 +130,7 @@ def rank_main(args) -> None:
     folder = Path(args.folder)  # built by the parent
     if args.each_rank_whole:  # the load before issue 65: every rank reads the whole model, FSDP2 shards it
         learner_module.builds_on_meta = lambda sharded: False
-        learner_module.shard_from_rank0 = lambda model, shard, device, shard_device: shard()
+        learner_module.shard_from_rank0 = lambda model, shard, **where: shard()
     before = rss_gib()
     distributed.agree(lambda: None)  # start together
     start = time.perf_counter()

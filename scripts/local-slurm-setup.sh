@@ -169,17 +169,25 @@ hosts_ok() {
     done
 }
 hosts_without_ours() { grep -vF "$MARKER" "$HOSTS" 2>/dev/null || true; }
+# The new text is made whole before the file is opened, and the file as it was
+# is kept in the state dir: a write that fails puts it back.
+replace_hosts() {  # text
+    local saved=$STATE_DIR/hosts.before
+    cp -f "$HOSTS" "$saved" 2>/dev/null || return 1
+    if ! printf '%s\n' "$1" >"$HOSTS"; then
+        cat "$saved" >"$HOSTS" 2>/dev/null
+        return 1
+    fi
+}
 write_hosts() {
     hosts_ok && grep -qxF "127.0.0.1 ${NODES[*]} $MARKER" "$HOSTS" && return 0
     local text
-    text=$(hosts_without_ours)
-    printf '%s\n127.0.0.1 %s %s\n' "$text" "${NODES[*]}" "$MARKER" >"$HOSTS" ||
+    text="$(hosts_without_ours)"$'\n'"127.0.0.1 ${NODES[*]} $MARKER"
+    replace_hosts "$text" ||
         die "cannot write $HOSTS, where the nodes' names (${NODES[*]}) must resolve to 127.0.0.1"
     hosts_ok || die "wrote $HOSTS, yet ${NODES[*]} do not resolve to 127.0.0.1 (getent hosts ${NODES[0]})"
 }
 remove_hosts() {
     grep -qF "$MARKER" "$HOSTS" 2>/dev/null || return 0
-    local text
-    text=$(hosts_without_ours)
-    printf '%s\n' "$text" >"$HOSTS" || log "note: could not remove our line from $HOSTS"
+    replace_hosts "$(hosts_without_ours)" || log "note: could not remove our line from $HOSTS"
 }

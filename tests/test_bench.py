@@ -269,7 +269,7 @@ def test_rank_load_memory_prints_each_ranks_peak_both_ways(tmp_path):
         done = subprocess.run([sys.executable, str(REPO / "bench" / "rank_load_memory.py"), "--model", "tiny_random",
                                "--kl", "--json", str(out), *way], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert "| 1 |" in done.stdout and "largest non-zero rank's peak / rank 0's" in done.stdout
+        assert "| 1 |" in done.stdout and "largest non-zero rank's peak RSS / rank 0's" in done.stdout
         rows[bool(way)] = json.loads(out.read_text())["rows"]
     for way_rows in rows.values():
         assert [r["rank"] for r in way_rows] == [0, 1]

@@ -81,32 +81,22 @@ class Learner:
 
         self.settings, self.loss, self.pad_id = settings, loss, pad_id
         self.sharded = distributed.active() or settings.fsdp  # fsdp in one process: a group of one (train.py)
-        # sharded over several ranks: rank 0 reads the weights, the others build on the meta device (sharded_load)
-        self.policy = load_policy(folder, dtype=settings.dtype, device=settings.device, attention=settings.attention,
-                                  empty=builds_on_meta(self.sharded))
-        if settings.lora is not None:  # before the layers compile: the adapters are part of them
-            trainable = apply_lora(self.policy, settings.lora)
-            log.info("LoRA rank %d on %s: %.2fM trained parameters of %.2fM, lr %g", settings.lora.rank,
-                     ", ".join(settings.lora.target_modules or ["every linear layer"]), trainable / 1e6,
-                     sum(p.numel() for p in self.policy.parameters()) / 1e6, settings.lr)
-        if settings.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
-        if settings.compile and not compile_decoder_layers(self.policy, grad_only=generates,
-                                                           selective_checkpoint=settings.kept_matmul_gib > 0):
-            log.warning("hardware.compile_learner: %s has no decoder-layer list to compile; running eager",
-                        settings.model_name)
+        # sharded over several ranks: rank 0 reads the weights, the others build on the meta device (sharded_load),
+        # so a build can fail on one rank alone: agree, and every rank stops with its error instead of waiting
+        self.policy = distributed.agree(lambda: self._built_policy(folder, generates))
         if settings.sync_grads_once and not self.sharded:
             log.warning("hardware.sync_grads_once=true does nothing here: the learner is not sharded (one process "
                         "without hardware.fsdp), so its gradients are never reduce-scattered")
         if self.sharded:
-            self._shard(self.policy)
+            self._shard(self.policy, folder)
         self.reference = None  # with LoRA the KL reference is the policy with its adapters off (no second copy)
         if loss.kl_coef > 0 and settings.lora is None:
-            self.reference = load_policy(folder, dtype=settings.dtype, device=settings.device,
-                                         attention=settings.attention, empty=builds_on_meta(self.sharded))
+            self.reference = distributed.agree(lambda: load_policy(
+                folder, dtype=settings.dtype, device=settings.device, attention=settings.attention,
+                empty=builds_on_meta(self.sharded)))
             self.reference.eval().requires_grad_(False)
             if self.sharded:
-                self._shard(self.reference)
+                self._shard(self.reference, folder)
         # fused: one kernel over all parameters (on CPU 9x faster than the default per-tensor loop, same math)
         trained = [p for p in self.policy.parameters() if p.requires_grad]  # all, or LoRA's adapters alone
         self.optimizer = torch.optim.AdamW(trained, lr=settings.lr, betas=tuple(settings.betas),
@@ -115,12 +105,33 @@ class Learner:
         warmup = max(settings.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
 
-    def _shard(self, model) -> None:
+    def _built_policy(self, folder: Path, generates: bool):
+        """The policy as this rank builds it, before sharding: loaded (or on the meta device), its LoRA adapters,
+        gradient checkpointing and compiled layers."""
+        from fgrpo.learner.model import load_policy
+
+        s = self.settings
+        policy = load_policy(folder, dtype=s.dtype, device=s.device, attention=s.attention,
+                             empty=builds_on_meta(self.sharded))
+        if s.lora is not None:  # before the layers compile: the adapters are part of them
+            trainable = apply_lora(policy, s.lora)
+            log.info("LoRA rank %d on %s: %.2fM trained parameters of %.2fM, lr %g", s.lora.rank,
+                     ", ".join(s.lora.target_modules or ["every linear layer"]), trainable / 1e6,
+                     sum(p.numel() for p in policy.parameters()) / 1e6, s.lr)
+        if s.gradient_checkpointing:
+            policy.gradient_checkpointing_enable()
+        if s.compile and not compile_decoder_layers(policy, grad_only=generates,
+                                                    selective_checkpoint=s.kept_matmul_gib > 0):
+            log.warning("hardware.compile_learner: %s has no decoder-layer list to compile; running eager", s.model_name)
+        return policy
+
+    def _shard(self, model, folder: Path) -> None:
         """FSDP2 over the ranks, the other ranks' shards set from rank 0's weights (their models built on meta)."""
         s = self.settings
         shard_from_rank0(model, lambda: shard_policy(model, device=s.device, autocast_dtype=s.autocast_dtype,
                                                      cpu_offload=s.cpu_offload),
-                         device=s.device, shard_device="cpu" if s.cpu_offload else s.device)  # offloaded: host memory
+                         device=s.device, shard_device="cpu" if s.cpu_offload else s.device,  # offloaded: host memory
+                         source=str(folder))
 
     @property
     def lr(self) -> float:

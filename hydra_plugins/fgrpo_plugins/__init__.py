@@ -133,31 +133,47 @@ def _submitit_error_line(error: BaseException) -> str:
     return _first_line(error)
 
 
-def _partition_nodes(partition: str | None) -> int | None:
-    """How many nodes ``partition`` (the default one if None) has, by sinfo; None where sinfo cannot say."""
-    command = ["sinfo", "-h", "-o", "%D"] + (["-p", partition] if partition else [])
+SUBMISSION_FAILED = "Batch job submission failed:"  # sbatch's line when it refuses a job; others may come before it
+
+
+def _partition_limit(partition: str | None) -> int | None:
+    """The most nodes one job may have in ``partition`` (the default one if None): its nodes, or its MaxNodes if
+    lower (scontrol show partition); None where Slurm cannot say."""
     try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
-        return sum(int(line) for line in out.split()) or None
-    except (OSError, subprocess.SubprocessError, ValueError):
+        out = subprocess.run(["scontrol", "show", "partition", "-o", *([partition] if partition else [])],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
         return None
+    for line in out.splitlines():
+        fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
+        if partition is None and fields.get("Default") != "YES":
+            continue
+        limits = [int(fields[key]) for key in ("TotalNodes", "MaxNodes") if fields.get(key, "").isdigit()]
+        return min(limits) if limits else None
+    return None
 
 
-def sbatch_refusal(stderr: str, params: dict) -> str:
-    """One line for sbatch's refusal of a job (submitit raises it with sbatch's stderr), naming the key to change."""
-    reason = next((line.split("error:", 1)[-1].strip() for line in stderr.splitlines() if "error:" in line),
-                  stderr.strip().splitlines()[-1] if stderr.strip() else "no reason given")
+def sbatch_refusal(stderr: str, params: dict) -> str | None:
+    """One line for sbatch's refusal of a job (submitit raises it with sbatch's stderr), naming the key to change;
+    None where ``stderr`` is no refusal (sbatch failed otherwise: no controller, killed)."""
+    lines = [line.split("error:", 1)[-1].strip() for line in stderr.splitlines() if "error:" in line]
+    reason = next((line.split(SUBMISSION_FAILED, 1)[1].strip() for line in lines if SUBMISSION_FAILED in line), None)
+    if reason is None:
+        return None
+    said = "; ".join(line for line in lines if SUBMISSION_FAILED not in line)  # e.g. which request cannot be met
+    reason = f"{said}: {reason}" if said else reason
     partition = params.get("partition")
     where = f"partition {partition}" if partition else "the default partition"
-    if "Node count specification invalid" in reason:
-        nodes = _partition_nodes(partition)
-        has = f"has {nodes} node(s)" if nodes else "has fewer nodes"
+    if "Node count specification invalid" in stderr:
+        limit = _partition_limit(partition)
+        has = f"takes at most {limit} node(s) a job" if limit else "has fewer nodes"
         return (f"sbatch refused the job ({reason}): hardware.slurm_nodes={params.get('nodes')} but {where} {has}; "
-                f"set hardware.slurm_nodes to at most {nodes or 'its node count'} or pick another partition "
+                f"set hardware.slurm_nodes to at most {limit or 'its node count'} or pick another partition "
                 f"(hydra.launcher.partition=...).")
     too_big = ("Requested node configuration is not available", "More processors requested than permitted",
-               "Memory required by task is not available")
-    if any(phrase in reason for phrase in too_big):
+               "Memory specification can not be satisfied", "Memory required by task is not available",
+               "CPU count per node can not be satisfied")
+    if any(phrase in stderr for phrase in too_big):
         return (f"sbatch refused the job ({reason}): no node in {where} has what one node of this job asks for "
                 f"(hardware.slurm_tasks_per_node={params.get('tasks_per_node')} x slurm_cpus_per_task="
                 f"{params.get('cpus_per_task')} CPUs, slurm_mem_gb={params.get('mem_gb')}, slurm_gpus_per_node="
@@ -207,15 +223,21 @@ class SlurmLauncher(SubmititSlurmLauncher):
 
         submitit.AutoExecutor.map_array = capture
         printed = io.StringIO()  # submitit prints sbatch's stderr when it refuses: said once, in our line, instead
+        refusal = None
         try:
             with contextlib.redirect_stderr(printed):
                 super().launch(job_overrides, initial_job_idx)
-        except submitit.core.utils.FailedJobError as error:  # sbatch refused the job: bad input, nothing queued
-            print(f"error: {sbatch_refusal(str(error), self.params)} Nothing was submitted.", file=sys.stderr)
-            sys.exit(2)
+        except submitit.core.utils.FailedJobError as error:
+            refusal = sbatch_refusal(str(error), self.params)
+            if refusal is None:  # not a refusal of the request (no controller, sbatch killed): as it came
+                raise
         finally:
             submitit.AutoExecutor.map_array = original_map_array
-        sys.stderr.write(printed.getvalue())
+            if refusal is None:
+                sys.stderr.write(printed.getvalue())
+        if refusal is not None:  # sbatch refused the job: bad input, nothing queued
+            print(f"error: {refusal} Nothing was submitted.", file=sys.stderr)
+            sys.exit(2)
 
         array_id = str(submitted[0].job_id).split("_")[0] if submitted else "-"
         log.info("waiting for %d Slurm array tasks (job %s)", len(submitted), array_id)

@@ -2,11 +2,14 @@
 meta device with its shards and buffers from rank 0 (fgrpo.learner.sharded_load), and every rank reading the whole
 model itself (the load before it, which the test restores by switching the new steps off). Run as
 ``torchrun --nproc_per_node 2 tests/children/sharded_load.py CASES OUT_DIR``; rank 0 saves OUT_DIR/CASE.pt with both
-builds' results (tests/learner/test_sharded.py compares them).
+builds' results (tests/learner/test_sharded_load.py compares them). ``... sharded_load.py faults OUT_DIR``: a build
+that fails on rank 0 alone, and a rank whose model differs from rank 0's; each rank saves OUT_DIR/FAULT-RANK.pt
+with the error it stopped with and when.
 """
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +30,8 @@ CASES = {
     "untied-kl": dict(tie=False, kl=0.1),
     # LoRA adapters over the frozen base (rank 1's adapters come from rank 0 too), a KL term against the base
     "lora-kl": dict(tie=True, kl=0.1, lora=True),
+    # bf16 matmuls over fp32 weights (FSDP2's mixed-precision policy) in compiled layers, built on meta
+    "compiled-bf16": dict(tie=True, compile=True, autocast="bfloat16"),
 }
 PROMPTS, SAMPLES = 4, 4
 
@@ -41,10 +46,10 @@ def save_model(folder: Path, tie: bool) -> None:
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
-def settings(lora: bool) -> LearnerSettings:
+def settings(lora: bool, compile: bool = False, autocast: str | None = None) -> LearnerSettings:
     return LearnerSettings(
-        model_name="tiny", max_new_tokens=24, temperature=0.8, device="cpu", dtype="float32", autocast_dtype=None,
-        attention="sdpa", compile=False, gradient_checkpointing=True, fsdp=False, cpu_offload=False,
+        model_name="tiny", max_new_tokens=24, temperature=0.8, device="cpu", dtype="float32", autocast_dtype=autocast,
+        attention="sdpa", compile=compile, gradient_checkpointing=True, fsdp=False, cpu_offload=False,
         sync_grads_once=False, kept_matmul_gib=0.0, micro_batch_size=3, micro_batch_tokens=None, share_prompts=False,
         lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0, grad_clip=1e9, mini_batches=1,
         lora=LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules=None) if lora else None)
@@ -65,11 +70,12 @@ def build(folder: Path, case: dict, *, from_rank0: bool) -> tuple[Learner, list[
     model_module.load_policy = recorded
     if not from_rank0:  # the load before: every rank reads the whole model, FSDP2 shards it, nothing is broadcast
         learner_module.builds_on_meta = lambda sharded: False
-        learner_module.shard_from_rank0 = lambda model, shard, device, shard_device: shard()
+        learner_module.shard_from_rank0 = lambda model, shard, **where: shard()
     try:
         torch.manual_seed(11)  # LoRA's A: the same draw on every rank in the load before
         loss = dataclasses.replace(algo("grpo"), kl_coef=case.get("kl", 0.0))
-        learner = Learner(folder, settings(case.get("lora", False)), loss, pad_id=0)
+        learner = Learner(folder, settings(case.get("lora", False), case.get("compile", False), case.get("autocast")),
+                          loss, pad_id=0)
     finally:
         model_module.load_policy = original_load
         learner_module.builds_on_meta, learner_module.shard_from_rank0 = saved
@@ -98,9 +104,47 @@ def one_build(folder: Path, case: dict, ranks, *, from_rank0: bool) -> dict:
     return result
 
 
+def faults(out_dir: Path, ranks) -> None:
+    """Each fault's error on each rank: the build of one rank fails (rank 0 reads a truncated weight file, which rank
+    1, building on meta, never opens), and rank 1's model differs from rank 0's (its inv_freq in float64, as a model
+    that transformers keeps partly in fp32 only when loading would)."""
+    import fgrpo.learner.model as model_module
+
+    folder = out_dir / "model-truncated"
+    if ranks.main:
+        save_model(folder, tie=True)
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    differs = out_dir / "model-differs"
+    if ranks.main:
+        save_model(differs, tie=True)
+    torch.distributed.barrier()
+    original_load = model_module.load_policy
+
+    def float64_buffer(*args, **kwargs):
+        model = original_load(*args, **kwargs)
+        if kwargs.get("empty"):
+            model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.to(torch.float64)
+        return model
+
+    for fault, source in (("rank0-fails", folder), ("differs", differs)):
+        model_module.load_policy = float64_buffer if fault == "differs" else original_load
+        start = time.perf_counter()
+        try:
+            Learner(source, settings(False), algo("grpo"), pad_id=0)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            error = (type(exc).__name__, str(exc))
+        torch.save({"error": error, "seconds": time.perf_counter() - start}, out_dir / f"{fault}-{ranks.rank}.pt")
+    model_module.load_policy = original_load
+
+
 def main(case_names: list[str], out_dir: Path) -> None:
     ranks = distributed.init_from_env(timeout_s=60)
     assert ranks.world == 2
+    if case_names == ["faults"]:
+        faults(out_dir, ranks)
+        case_names = []
     for name in case_names:
         case = CASES[name]
         folder = out_dir / f"model-{name}"

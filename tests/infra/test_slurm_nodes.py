@@ -30,8 +30,17 @@ def metric_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r]
 
 
+@pytest.fixture
+def two_nodes(slurm):
+    """The local cluster's two nodes (scripts/local-slurm start: FGRPO_SLURM_NODES=2, the default)."""
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=60).stdout.split()
+    assert sorted(set(nodes)) == ["fgrpo-node1", "fgrpo-node2"], (
+        f"these tests need scripts/local-slurm's two nodes, and the cluster has {nodes}: "
+        "scripts/local-slurm stop, then start (FGRPO_SLURM_NODES=2)")
+
+
 @pytest.mark.slurm
-def test_a_job_over_two_nodes_trains_is_requeued_on_usr2_and_resumes_on_both(slurm, tmp_path):
+def test_a_job_over_two_nodes_trains_is_requeued_on_usr2_and_resumes_on_both(two_nodes, tmp_path):
     sweep_dir = tmp_path / "sweep"
     overrides = [o for o in TINY if not o.startswith(("sampler=", "trainer.steps"))]
     command = [sys.executable, str(REPO / "run.py"), "-m", *overrides, f"hydra.sweep.dir={sweep_dir}", *TWO_NODES,
@@ -78,24 +87,30 @@ def test_a_job_over_two_nodes_trains_is_requeued_on_usr2_and_resumes_on_both(slu
 
 
 @pytest.mark.slurm
-def test_a_node_count_the_cluster_cannot_give_is_one_line_naming_the_key(slurm, tmp_path):
+def test_a_node_count_the_cluster_cannot_give_is_one_line_naming_the_key(two_nodes, tmp_path):
     sweep_dir = tmp_path / "sweep"
     result = sweep(sweep_dir, *SLURM, "hardware.slurm_nodes=3", "trainer.prompts_per_step=3")
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(errors) == 1, result.stderr
     assert "Node count specification invalid" in errors[0]
-    assert "hardware.slurm_nodes=3 but partition debug has 2 node(s)" in errors[0]
+    assert "hardware.slurm_nodes=3 but partition debug takes at most 2 node(s) a job" in errors[0]
     assert "set hardware.slurm_nodes to at most 2" in errors[0] and "Nothing was submitted" in errors[0]
     assert not [p for p in (sweep_dir / ".submitit").iterdir() if p.is_dir()]  # no job folder: nothing queued
-    assert subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=60).stdout.strip() == ""
+    commands = subprocess.run(["squeue", "-h", "-o", "%o"], capture_output=True, text=True, timeout=60).stdout
+    assert str(sweep_dir) not in commands
 
 
 @pytest.mark.parametrize("stderr,expected", [
     ("sbatch: error: Batch job submission failed: More processors requested than permitted",
      "hardware.slurm_tasks_per_node=1 x slurm_cpus_per_task=64 CPUs, slurm_mem_gb=16, slurm_gpus_per_node=0"),
+    # sbatch names the request that cannot be met on a line before its refusal
+    ("sbatch: error: Memory specification can not be satisfied\n"
+     "sbatch: error: Batch job submission failed: Requested node configuration is not available",
+     "sbatch refused the job (Memory specification can not be satisfied: Requested node configuration is not "
+     "available): no node in partition gpu has what one node of this job asks for"),
     ("sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified",
-     "sbatch refused the job: Batch job submission failed: Invalid account or account/partition combination "
+     "sbatch refused the job: Invalid account or account/partition combination "
      "specified (the job's request comes from hardware.slurm_* and hydra.launcher.*)."),
 ])
 def test_what_sbatch_refuses_is_said_in_one_line_naming_the_keys(stderr, expected):
@@ -104,3 +119,10 @@ def test_what_sbatch_refuses_is_said_in_one_line_naming_the_keys(stderr, expecte
     said = sbatch_refusal(stderr, {"partition": "gpu", "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 64,
                                    "mem_gb": 16, "gpus_per_node": None})
     assert expected in said and "\n" not in said
+
+
+def test_a_failed_sbatch_that_refused_nothing_is_no_refusal():
+    from hydra_plugins.fgrpo_plugins import sbatch_refusal
+
+    assert sbatch_refusal("Job got killed for an unknown reason.", {}) is None
+    assert sbatch_refusal("sbatch: error: Unable to contact slurm controller (connect failure)", {}) is None

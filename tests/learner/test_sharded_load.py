@@ -41,3 +41,19 @@ def test_a_rank_built_on_the_meta_device_updates_as_one_that_loaded_the_whole_mo
     assert_equal(rank1, rank0)
     assert new["tied"] == [CASES[case]["tie"]] * 2
     assert new["generation_eos"] == [2, 2]  # the folder's generation config (the HF sampler's stop token)
+
+
+def test_a_build_that_fails_or_differs_on_one_rank_stops_both_with_its_error(tmp_path):
+    done = torchrun(2, CHILDREN / "sharded_load.py", "faults", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for fault in ("rank0-fails", "differs"):
+        errors = [torch.load(tmp_path / f"{fault}-{rank}.pt", weights_only=False) for rank in (0, 1)]
+        assert errors[0]["error"] is not None and errors[0]["error"] == errors[1]["error"], errors
+        # at once, not after the process group's 60 s timeout in a broadcast that never comes
+        assert all(e["seconds"] < 30 for e in errors), errors
+    name, message = torch.load(tmp_path / "rank0-fails-1.pt", weights_only=False)["error"]
+    assert "model.safetensors" in message or "Safetensor" in name + message, (name, message)  # rank 0's read
+    name, message = torch.load(tmp_path / "differs-0.pt", weights_only=False)["error"]
+    assert name == "ModelSourceError"
+    assert "rank 1 built the model of" in message and "model-differs" in message
+    assert "is model.rotary_emb.inv_freq (4,) float64 here and model.rotary_emb.inv_freq (4,) float32 on rank 0" in message
