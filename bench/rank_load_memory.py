@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -27,11 +26,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 GIB = 2**30
-
-
-def cpu_kind() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else "AVX2 only"
 
 
 def status_gib(field: str) -> float:
@@ -162,6 +156,7 @@ def main() -> None:
     if args.rank_child:
         return rank_main(args)
 
+    from fgrpo.infra.precision import cpu_kind, cpu_name
     from fgrpo.learner.model import resolve_model_folder
 
     folder = resolve_model_folder(compose(args.model, args.kl).model)  # once, before the ranks start
@@ -176,7 +171,7 @@ def main() -> None:
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     way = "every rank whole (before)" if args.each_rank_whole else "rank 0 reads, the others on meta (today)"
     print(f"{args.model} (saved in {args.saved_dtype}), {rows[0]['params'] / 1e6:.0f} M parameters, {args.ranks} gloo ranks{', with a KL reference' if args.kl else ''}: "
-          f"{way}; {platform.processor() or platform.machine()} ({cpu_kind()}), {os.cpu_count()} cores")
+          f"{way}; {cpu_name()} ({cpu_kind()}), {os.cpu_count()} cores")
     print("| rank | RSS before (GiB) | peak RSS while loading (GiB) | of it, peak anonymous | peak file-backed | "
           "RSS after (GiB) | load (s) |")
     print("|---|---|---|---|---|---|---|")
