@@ -59,8 +59,8 @@ def assert_counts_give_the_logged_pass_at_k(run_dir: Path, n: int, problems: int
 @pytest.mark.slow
 def test_the_bundled_model_run_and_its_standalone_evaluation_write_the_same_counts(tmp_path):
     """The HF sampler draws from the evaluation seed, so evaluating a run's final_model on its own redraws its last
-    evaluation sample for sample: the same counts, the same pass@k. In fp32: bf16 matmuls on the CPU do not always give
-    the same low bits from one process to the next (docs/evaluation.md), and a bit can tip a draw."""
+    evaluation sample for sample: the same counts, the same pass@k. In fp32: with bf16 matmuls on the CPU the first
+    generate of a process does not always compute the same (docs/evaluation.md), and that can tip a draw."""
     run_dir, eval_dir = tmp_path / "run", tmp_path / "eval"
     done = cli("run.py", run_dir, *SMALL, *FP32, "trainer.steps=1", "sampler=hf", "trainer.save_final=true")
     assert done.returncode == 0, done.stderr[-3000:]
