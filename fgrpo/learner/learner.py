@@ -77,8 +77,6 @@ class Learner:
 
     def __init__(self, folder: Path, settings: LearnerSettings, loss: LossSettings, *, pad_id: int,
                  generates: bool = False):
-        from fgrpo.learner.model import load_policy
-
         self.settings, self.loss, self.pad_id = settings, loss, pad_id
         self.sharded = distributed.active() or settings.fsdp  # fsdp in one process: a group of one (train.py)
         # sharded over several ranks: rank 0 reads the weights, the others build on the meta device (sharded_load),
@@ -91,9 +89,7 @@ class Learner:
             self._shard(self.policy, folder)
         self.reference = None  # with LoRA the KL reference is the policy with its adapters off (no second copy)
         if loss.kl_coef > 0 and settings.lora is None:
-            self.reference = distributed.agree(lambda: load_policy(
-                folder, dtype=settings.dtype, device=settings.device, attention=settings.attention,
-                empty=builds_on_meta(self.sharded)))
+            self.reference = distributed.agree(lambda: self._loaded(folder))
             self.reference.eval().requires_grad_(False)
             if self.sharded:
                 self._shard(self.reference, folder)
@@ -108,11 +104,8 @@ class Learner:
     def _built_policy(self, folder: Path, generates: bool):
         """The policy as this rank builds it, before sharding: loaded (or on the meta device), its LoRA adapters,
         gradient checkpointing and compiled layers."""
-        from fgrpo.learner.model import load_policy
-
         s = self.settings
-        policy = load_policy(folder, dtype=s.dtype, device=s.device, attention=s.attention,
-                             empty=builds_on_meta(self.sharded))
+        policy = self._loaded(folder)
         if s.lora is not None:  # before the layers compile: the adapters are part of them
             trainable = apply_lora(policy, s.lora)
             log.info("LoRA rank %d on %s: %.2fM trained parameters of %.2fM, lr %g", s.lora.rank,
@@ -124,6 +117,15 @@ class Learner:
                                                     selective_checkpoint=s.kept_matmul_gib > 0):
             log.warning("hardware.compile_learner: %s has no decoder-layer list to compile; running eager", s.model_name)
         return policy
+
+    def _loaded(self, folder: Path):
+        """``folder``'s model as this rank loads it: whole, or on the meta device (a non-zero rank of a sharded
+        learner, fgrpo.learner.sharded_load)."""
+        from fgrpo.learner.model import load_policy
+
+        s = self.settings
+        return load_policy(folder, dtype=s.dtype, device=s.device, attention=s.attention,
+                           empty=builds_on_meta(self.sharded))
 
     def _shard(self, model, folder: Path) -> None:
         """FSDP2 over the ranks, the other ranks' shards set from rank 0's weights (their models built on meta)."""
