@@ -113,17 +113,23 @@ class RewardConfig:
     weight: float = 1.0  # the training reward is the weighted sum of the entries' scores
     verdict: bool = False  # this entry says whether a sample is right (needed where there are several)
     threshold: float = 1.0  # its verdict: the dict's "correct" if it returns one, else score >= threshold
+    kwargs: Any = None  # passed by name on every call, e.g. {scale: 2} (verl's reward_kwargs)
 
 
 @dataclass
 class DatasetConfig:
     name: str = MISSING
-    kind: str = "arithmetic"  # arithmetic | sources (files, hub) | generator (a user's, dataset.generator)
+    # arithmetic | sources (files, hub) | generator (a user's, dataset.generator) | reasoning_gym (dataset.tasks)
+    kind: str = "arithmetic"
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig(fn="numeric")])
     reward_timeout_s: float = 5.0  # each call's time limit (a batch function's: this per sample)
-    # processes running the reward functions: auto = min(8, this rank's cores - 1); a user's function always runs in
-    # a worker (with 1: one worker), fgrpo's math check in the trainer with 1
+    # processes running the reward functions: auto = a user's function: 2 x this rank's cores, 4 to 16 (calls that
+    # wait take no core); fgrpo's math check alone: min(8, cores - 1), in the trainer with 1
     reward_workers: Any = "auto"
+    reward_memory_gib: Optional[float] = 4.0  # each worker's cap over its imports (null: none); past it the worker ends
+    reward_worker_max_calls: int = 0  # a worker is replaced after this many calls (0: never)
+    reward_import_timeout_s: float = 120.0  # a worker's imports of the reward functions (and a generator's) may take
+    reward_stop_after: int = 16  # a function failing its first this many calls the same way stops the run (0: never)
     # the user message from each row's columns, e.g. "Reach {target} with {numbers}. {instruction}" ({instruction}:
     # model.instruction); null: the question, then model.instruction
     prompt_template: Optional[str] = None
@@ -131,6 +137,13 @@ class DatasetConfig:
     generator: Optional[str] = None  # kind=generator: "file.py:function" returning a list of row dicts
     generator_args: Any = None  # its keyword arguments (a seed among them), e.g. {seed: 0, count: 200}
     generator_n_eval: int = 40  # kind=generator: its first rows, this many, are held out for evaluation
+    # kind=reasoning_gym (fgrpo/tasks/reasoning_gym.py; the reasoning-gym extra): its tasks by name, each a name or
+    # {name, weight, config} (config: the task's own settings; weight: its share of the training problems), seeded
+    # by tasks_seed (default: the run's seed); tasks_eval_size held out per task, tasks_train_size training in all
+    tasks: Any = None
+    tasks_seed: Any = "${seed}"
+    tasks_train_size: int = 1000
+    tasks_eval_size: int = 40
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     train: Optional[DataSourceConfig] = None
     eval: list[DataSourceConfig] = field(default_factory=list)

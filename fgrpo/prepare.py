@@ -173,12 +173,16 @@ def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
         require_cpp_compiler()
     if training and hw.attention == "flex":
         require_flex(hw.device)
-    scorer = Scorer(reward_entries(cfg.dataset.rewards), workers=cfg.dataset.reward_workers,
-                    timeout_s=cfg.dataset.reward_timeout_s)
+    ds = cfg.dataset
+    scorer = Scorer(reward_entries(ds.rewards), workers=ds.reward_workers, timeout_s=ds.reward_timeout_s,
+                    seed=cfg.seed, rank=int(os.environ.get("RANK", 0)), memory_gib=ds.reward_memory_gib,
+                    max_calls=ds.reward_worker_max_calls, import_timeout_s=ds.reward_import_timeout_s,
+                    stop_after=ds.reward_stop_after)
     try:
         scorer.describe()
-        # a row needs a reference answer only where a reward function takes one
-        data = load_data(cfg.dataset, instruction=cfg.model.instruction, require_answer=bool(scorer.needs_answer()))
+        # a row needs a reference answer only where a reward function takes one; as text only where one takes `answer`
+        needs = "text" if scorer.needs_answer_text() else "value" if scorer.needs_answer() else False
+        data = load_data(cfg.dataset, instruction=cfg.model.instruction, require_answer=needs)
         scorer.check_columns(data.columns())
         if check_data is not None:
             check_data(data)
@@ -258,7 +262,7 @@ class Data:
         return set.intersection(*(set(p.fields) for p in problems)) if problems else set()
 
 
-def load_data(dataset_cfg, *, instruction: str = "", require_answer: bool = True) -> Data:
+def load_data(dataset_cfg, *, instruction: str = "", require_answer: bool | str = True) -> Data:
     """Read (or generate) every problem up front, so a bad file fails before the model loads; each prompt settled
     (``instruction``: ``model.instruction``)."""
     fmt = RowFormat(messages_field=dataset_cfg.messages_field, prompt_template=dataset_cfg.prompt_template,
@@ -275,6 +279,12 @@ def load_data(dataset_cfg, *, instruction: str = "", require_answer: bool = True
         train, held_out = generated_problems(dataset_cfg.generator, args, name=dataset_cfg.name,
                                              n_eval=dataset_cfg.generator_n_eval, fmt=fmt)
         return Data(train=with_prompts(train, instruction), eval={dataset_cfg.name: with_prompts(held_out, instruction)})
+    if dataset_cfg.kind == "reasoning_gym":  # reasoning-gym's tasks by name: one held-out set per task
+        from fgrpo.tasks.reasoning_gym import reasoning_gym_problems
+
+        train, held_out = reasoning_gym_problems(dataset_cfg, fmt)
+        return Data(train=with_prompts(train, instruction),
+                    eval={task: with_prompts(problems, instruction) for task, problems in held_out.items()})
     if dataset_cfg.train is None or not dataset_cfg.eval:
         raise ConfigError(f"dataset={dataset_cfg.name}: a 'sources' dataset needs dataset.train and a dataset.eval list")
 

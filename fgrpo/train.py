@@ -34,7 +34,8 @@ from fgrpo.learner.learner import Learner
 from fgrpo.prepare import (EVAL_SEED_OFFSET, Run, advantage_settings, learner_settings, loss_settings, make_sampler,
                            make_tracker, prepare)
 from fgrpo.validation import advantage_method_of
-from fgrpo.rollout.rollouts import ProblemStream, collect_groups, learner_sequences, overlong_penalties, sample_groups
+from fgrpo.rollout.rollouts import (ProblemStream, collect_groups, learner_sequences, overlong_penalties,
+                                    reward_call_metrics, sample_groups)
 from fgrpo.step_metrics import StepOutcomes, step_metrics
 
 log = logging.getLogger("fgrpo")
@@ -67,35 +68,36 @@ def train_prepared(cfg: DictConfig, run: Run, run_dir: Path, ranks: Ranks, *, ru
     learner = Learner(run.folder, learner_settings(cfg), loss_settings(cfg.algo), pad_id=run.tokenizer.pad_token_id,
                       generates=cfg.sampler.name == "hf")
     sampler = make_sampler(cfg, run.folder, learner.policy, run.tokenizer, ranks)
-    stream = ProblemStream(run.data.train, seed=cfg.seed)
-    checkpoints = Checkpoints(cfg, run_dir, learner, stream, ranks)
-    resumed = checkpoints.resume(sampler) if resuming else None
+    with _sampler_closed_on_error(sampler):
+        stream = ProblemStream(run.data.train, seed=cfg.seed)
+        checkpoints = Checkpoints(cfg, run_dir, learner, stream, ranks)
+        resumed = checkpoints.resume(sampler) if resuming else None
 
-    def evaluate_now(step: int) -> tuple[dict, object]:
-        return evaluate_policy(cfg, step, run, sampler, learner, run_dir, ranks)
+        def evaluate_now(step: int) -> tuple[dict, object]:
+            return evaluate_policy(cfg, step, run, sampler, learner, run_dir, ranks)
 
-    stopped_at = None
-    with make_tracker(cfg, run_dir, run_name, overrides, run.precision, ranks, resumed) as tracker, \
-            StopSignals(cfg.hardware.slurm_signal_delay_s - STOP_MARGIN_S) as signals, naming_nondeterministic_ops():
-        history, first_step = start_history(cfg, run_dir, resumed, evaluate_now, tracker, ranks)
-        checkpoints.restart_clock()
-        progress = tqdm(range(first_step, cfg.trainer.steps + 1), desc="training", unit="step", dynamic_ncols=True,
-                        disable=not ranks.main, initial=first_step - 1, total=cfg.trainer.steps)
-        for step in progress:
-            signals.raise_if_interrupted(step)
-            metrics = learn_step(cfg, step, run, sampler, learner, stream, run_dir, ranks)
-            tracker.log(metrics, step=step)
-            progress.set_postfix(reward=f"{metrics.get('train/correct_mean', float('nan')):.3f}")
-            if step == cfg.trainer.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-                history.record(step, *evaluate_now(step))
-                tracker.log(history.last, step=step)
-                if ranks.main:
-                    progress.write(f"step {step}: eval pass@1 = {history.last['eval/pass@1']:.3f}")
-            if checkpoints.save_if_due(step, signals.stop_requested, history, tracker.wandb_run_id):
-                stopped_at = step
-                break
-        if stopped_at is None:
-            final = finish(cfg, run_dir, tracker, learner, run.tokenizer, history, ranks)
+        stopped_at = None
+        with make_tracker(cfg, run_dir, run_name, overrides, run.precision, ranks, resumed) as tracker, \
+                StopSignals(cfg.hardware.slurm_signal_delay_s - STOP_MARGIN_S) as signals, naming_nondeterministic_ops():
+            history, first_step = start_history(cfg, run_dir, resumed, evaluate_now, tracker, ranks)
+            checkpoints.restart_clock()
+            progress = tqdm(range(first_step, cfg.trainer.steps + 1), desc="training", unit="step", dynamic_ncols=True,
+                            disable=not ranks.main, initial=first_step - 1, total=cfg.trainer.steps)
+            for step in progress:
+                signals.raise_if_interrupted(step)
+                metrics = learn_step(cfg, step, run, sampler, learner, stream, run_dir, ranks)
+                tracker.log(metrics, step=step)
+                progress.set_postfix(reward=f"{metrics.get('train/correct_mean', float('nan')):.3f}")
+                if step == cfg.trainer.steps or (cfg.eval.every and step % cfg.eval.every == 0):
+                    history.record(step, *evaluate_now(step))
+                    tracker.log(history.last, step=step)
+                    if ranks.main:
+                        progress.write(f"step {step}: eval pass@1 = {history.last['eval/pass@1']:.3f}")
+                if checkpoints.save_if_due(step, signals.stop_requested, history, tracker.wandb_run_id):
+                    stopped_at = step
+                    break
+            if stopped_at is None:
+                final = finish(cfg, run_dir, tracker, learner, run.tokenizer, history, ranks)
     if stopped_at is not None:
         exit_code, failure = signals.hand_over(stopped_at, run_dir)
     sampler.close()  # vLLM's shutdown takes the process group down with it: last
@@ -114,10 +116,13 @@ def learn_step(cfg: DictConfig, step: int, run: Run, sampler, learner: Learner, 
     algo, sampling = cfg.algo, cfg.sampler
     step_start = time.perf_counter()
 
+    # TRL's trainer_state for the reward functions: this step, and the epochs of training problems it reaches
+    run.scorer.at_step(step, cfg.trainer.steps, step * cfg.trainer.prompts_per_step / max(1, len(run.data.train)))
+
     def draw(problems, seeds):
         return sample_groups(sampler, problems, run.prompt_ids, run.scorer, group_size=algo.group_size,
                              max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                             top_p=sampling.top_p, seed=seeds)
+                             top_p=sampling.top_p, seed=seeds, ranks=ranks)
 
     groups = collect_groups(draw, stream, cfg.trainer.prompts_per_step, seed=cfg.seed * 100_003 + step,
                             dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.max_sampling_rounds, ranks=ranks)
@@ -125,7 +130,8 @@ def learn_step(cfg: DictConfig, step: int, run: Run, sampler, learner: Learner, 
     # an engine's ranks (tensor parallel) scored the same draw: its failed calls count once, its dropped prompts per rank
     errors_here = groups.reward_errors if ranks.rank % ranks.tensor_parallel == 0 else 0
     skipped, errors = distributed.sum_over_ranks([groups.skipped_prompts, errors_here])
-    metrics = {"train/skipped_prompts": skipped, "train/reward_errors": errors}
+    metrics = {"train/skipped_prompts": skipped, "train/reward_errors": errors,
+               **reward_call_metrics(groups, "train", ranks, run.scorer.pool_counters)}
     if distributed.sum_over_ranks([len(groups)])[0]:  # every rank updates, with groups of its own or none
         rewards = groups.rewards.clone()  # the weighted sum of the reward functions (fgrpo.rewards)
         if algo.overlong_shaping:
@@ -159,6 +165,7 @@ def evaluate_policy(cfg: DictConfig, step: int, run: Run, sampler, learner: Lear
                     ranks: Ranks = SINGLE) -> tuple[dict, object]:
     """pass@k metrics and curve of the policy after ``step``; its per-problem counts go to eval_counts.jsonl."""
     sampling = cfg.sampler
+    run.scorer.at_step(step, cfg.trainer.steps, step * cfg.trainer.prompts_per_step / max(1, len(run.data.train)))
     metrics, curve, count_rows = evaluate(
         sampler, run.data.eval, run.prompt_ids, run.scorer, n_samples=cfg.eval.n_samples,
         max_problems=cfg.eval.max_problems, max_new_tokens=sampling.max_new_tokens,
@@ -210,6 +217,18 @@ def finish(cfg: DictConfig, run_dir: Path, tracker: Tracker | NoTracker, learner
     if cfg.trainer.save_final:
         learner.save_pretrained(run_dir / FINAL_MODEL, tokenizer)
     return final
+
+
+@contextlib.contextmanager
+def _sampler_closed_on_error(sampler):
+    """A run that fails (a reward function stopping it, a crash) shuts vLLM's engine down before the error leaves:
+    left to its finalizer at interpreter exit, the engine would find the process group already gone and print a
+    traceback after the run's one error."""
+    try:
+        yield
+    except BaseException:
+        sampler.close()
+        raise
 
 
 @contextlib.contextmanager

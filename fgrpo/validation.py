@@ -194,6 +194,14 @@ def _check_dataset(dataset, need, problems: list[str]) -> None:
          f"always run in workers; 1: one); e.g. dataset.reward_workers={AUTO_WORKERS} or dataset.reward_workers=4")
     need(0 < dataset.reward_timeout_s < math.inf, "dataset.reward_timeout_s", dataset.reward_timeout_s,
          "must be a finite number > 0 (seconds one call may take, e.g. 5.0)")
+    need(0 < dataset.reward_import_timeout_s < math.inf, "dataset.reward_import_timeout_s",
+         dataset.reward_import_timeout_s, "must be a finite number > 0 (seconds a worker's imports may take, e.g. 120)")
+    need(dataset.reward_memory_gib is None or 0 < dataset.reward_memory_gib < math.inf, "dataset.reward_memory_gib",
+         dataset.reward_memory_gib, "must be a number of GiB > 0 (each worker's cap, e.g. 4) or null (no cap)")
+    need(dataset.reward_worker_max_calls >= 0, "dataset.reward_worker_max_calls", dataset.reward_worker_max_calls,
+         "must be >= 0 (0: a worker is never replaced)")
+    need(dataset.reward_stop_after >= 0, "dataset.reward_stop_after", dataset.reward_stop_after,
+         "must be >= 0 (0: a function failing its first calls does not stop the run early)")
     if dataset.prompt_template is not None:
         try:
             template_fields(dataset.prompt_template)

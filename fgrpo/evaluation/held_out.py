@@ -17,7 +17,7 @@ from fgrpo.infra.errors import RewardError
 from fgrpo.infra.run_files import COUNTS_FILE
 from fgrpo.rewards.scoring import Scorer
 from fgrpo.rollout.data import Problem
-from fgrpo.rollout.rollouts import Groups, prompt_seeds, sample_groups
+from fgrpo.rollout.rollouts import Groups, prompt_seeds, reward_call_metrics, sample_groups
 
 Curve = list[tuple[int, float, float, float]]  # (k, pass@k, ci_low, ci_high)
 # COUNTS_FILE: one JSON row per problem per evaluation, {"step", "dataset", "problem", "n", "c"} (c of the n samples
@@ -46,7 +46,7 @@ def evaluate(sampler, eval_sets: dict[str, list[Problem]], prompt_ids: dict[str,
         padded = problems + problems[-1:] * (-len(problems) % ranks.data_parallel_size)
         groups = sample_groups(sampler, ranks.share(padded, of_engine=True), prompt_ids, scorer, group_size=n_samples,
                                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                               seed=ranks.share(prompt_seeds(seed, len(padded)), of_engine=True))
+                               seed=ranks.share(prompt_seeds(seed, len(padded)), of_engine=True), ranks=ranks)
         # one engine's ranks drew the same: the problems of the first rank of each engine, in order
         mine = (_per_problem(groups), groups.reward_errors) if ranks.rank % ranks.tensor_parallel == 0 else ([], 0)
         parts = gather_objects(mine)
@@ -64,6 +64,7 @@ def evaluate(sampler, eval_sets: dict[str, list[Problem]], prompt_ids: dict[str,
                             f"eval/{name}/pass@{k}_ci_high": high})
         metrics.update(_reward_metrics(name, outcomes))
         metrics[f"eval/{name}/reward_errors"] = float(sum(errors for _, errors in parts))
+        metrics.update(reward_call_metrics(groups, f"eval/{name}", ranks))
     ks = [k for k, *_ in next(iter(curves.values()))]
     for k in ks:
         for suffix in ("", "_ci_low", "_ci_high"):

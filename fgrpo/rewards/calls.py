@@ -1,12 +1,16 @@
 """One call of a reward function as a worker of the reward pool runs it (and the trainer, for the built-in checks):
 the function loaded by its import path (once per process), its arguments bound by name (:mod:`fgrpo.rewards.binding`),
-the call bounded in time, and what it returned turned into an outcome per sample:
+the call bounded in time and seeded, and what it returned turned into an outcome per sample:
 
 - :class:`Scored`: a number, or a dict with ``score`` (its other numbers kept as extras, its ``correct`` as the
   verdict, if given);
 - ``None``: the function skipped the sample (it returned None);
-- :class:`Failed`: the call raised, ran out of time, or returned something else (a string, NaN, a list of the wrong
-  length); the message says what, with the traceback where there is one.
+- :class:`Failed`: the call raised (any exception: ``sys.exit``, ``KeyboardInterrupt`` and ``CancelledError`` too, in
+  a worker), ran out of time, or returned something else (a string, NaN, a list of the wrong length); the message says
+  what, with the traceback where there is one.
+
+``async def`` functions run on one event loop per process, kept for its life (a module-level lock or client works on
+every call); a per-sample one sent several samples in one call runs them concurrently, each within its own limit.
 
 Nothing here imports torch or fgrpo's trainer: a worker that imports this module is a fresh interpreter with the
 user's module and little else. Requests and outcomes are small dataclasses, pickled between the processes; the
@@ -16,10 +20,10 @@ function itself never is: each worker imports it by its path.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import numbers
 import os
+import random
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -27,10 +31,12 @@ from typing import Any, Callable, Mapping
 
 from fgrpo.infra.errors import ConfigError
 from fgrpo.infra.user_code import load_function
-from fgrpo.rewards.binding import Binding, arguments, batch_arguments, bind
+from fgrpo.rewards.binding import Binding, TrainerState, arguments, batch_arguments, bind
 from fgrpo.rewards.time_limit import TimeLimitExceeded, run_with_time_limit
+from fgrpo.rewards.worker import end_if_over_memory
 
-__all__ = ["Scored", "Failed", "Outcome", "Call", "Describe", "run_task", "outcome_of", "load", "warm_up"]
+__all__ = ["Scored", "Failed", "Outcome", "Call", "CallResult", "Describe", "run_task", "outcome_of", "load",
+           "warm_up", "in_worker"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +48,14 @@ class Scored:
 
 @dataclass(frozen=True)
 class Failed:
-    kind: str  # raised | timeout | value | died | stuck
+    kind: str  # raised | timeout | value | died
     message: str
+
+    @property
+    def signature(self) -> str:
+        """What tells two failures apart: the kind and the message's last line (the exception and its text)."""
+        lines = self.message.strip().splitlines()
+        return f"{self.kind}: {lines[-1] if lines else ''}"
 
 
 Outcome = Scored | Failed | None  # None: the function returned None (the sample is skipped)
@@ -51,16 +63,28 @@ Outcome = Scored | Failed | None  # None: the function returned None (the sample
 
 @dataclass(frozen=True)
 class Call:
-    """One call: of ``target`` on one view (a per-sample function) or on all ``views`` (a batch function)."""
+    """One call: of ``target`` on one view (a per-sample function), on all ``views`` (a batch function), or on each of
+    ``views`` concurrently (a per-sample ``async`` function sent several)."""
 
     target: str  # the import path, a file's made absolute
     key: str  # the config key that named it, for messages
     views: tuple[Mapping[str, Any], ...]
     batch: bool
-    time_limit_s: float
+    time_limit_s: float  # the whole call's (a batch's or several samples': the per-sample limit times their count)
     bounds_itself: bool = False  # a built-in check with its own time limit (the math check): no second alarm
     conversational: bool = False  # batch: completions and prompts in TRL's chat form
     system_prompt: str | None = None
+    kwargs: Mapping[str, Any] = field(default_factory=dict)  # the entry's own (verl's reward_kwargs)
+    state: TrainerState | None = None  # TRL's trainer_state
+    seed: int | None = None  # random (numpy's, torch's where imported) seeded with it before the call
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """A :class:`Call`'s outcomes (one per view) and what it logged with ``log_metric`` (name -> values)."""
+
+    outcomes: list[Outcome]
+    metrics: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -72,6 +96,12 @@ class Describe:
 
 
 _loaded: dict[str, tuple[Callable, Binding]] = {}
+_worker = {"on": False}  # set in a worker of the reward pool: there any exception of the user's is the call's failure
+
+
+def in_worker() -> None:
+    """Mark this process a reward worker (:mod:`fgrpo.rewards.worker` does at start)."""
+    _worker["on"] = True
 
 
 def load(target: str, key: str) -> tuple[Callable, Binding]:
@@ -91,7 +121,9 @@ def load(target: str, key: str) -> tuple[Callable, Binding]:
 
 
 def warm_up(targets: tuple[tuple[str, str], ...]) -> None:
-    """Import every ``(target, key)`` now (a worker's start), so that no call's time goes to an import."""
+    """Import every ``(target, key)`` now (a worker's start), so that no call's time goes to an import; marks this
+    process a worker (:func:`in_worker`)."""
+    in_worker()
     for target, key in targets:
         try:
             load(target, key)
@@ -99,24 +131,106 @@ def warm_up(targets: tuple[tuple[str, str], ...]) -> None:
             pass  # reported by the Describe request that follows, with the message
 
 
-def run_task(request: Call | Describe) -> list[Outcome] | Binding | str:
-    """What a worker of the reward pool runs: a :class:`Call`'s outcomes (one per view), or a :class:`Describe`'s
-    binding (or the message saying why the function cannot be loaded). Never raises for the function's faults: a
-    raise here would fail the whole batch in the pool."""
+def run_task(request: Call | Describe) -> CallResult | Binding | str:
+    """What a worker of the reward pool runs: a :class:`Call`'s :class:`CallResult`, or a :class:`Describe`'s binding
+    (or the message saying why the function cannot be loaded). Never raises for the function's faults: a raise here
+    would fail the whole batch in the pool."""
     if isinstance(request, Describe):
         try:
             return load(request.target, request.key)[1]
         except ConfigError as error:
             return str(error)
+    log = _CallLog(len(request.views), request.batch or len(request.views) > 1)
     try:
         fn, binding = load(request.target, request.key)
+        _seed(request.seed)
+        per_call = {**request.kwargs, **log.names(binding, request.state)}
         if request.batch:
-            return _batch_call(fn, binding, request)
-        return [_one_call(fn, arguments(binding, request.views[0]), request)]
+            outcomes = _batch_call(fn, binding, request, per_call)
+        elif len(request.views) > 1:
+            outcomes = _concurrent_calls(fn, binding, request, per_call)
+        else:
+            outcomes = [_one_call(fn, arguments(binding, request.views[0], per_call), request)]
     except ConfigError as error:
-        return [Failed("raised", str(error))] * len(request.views)
+        outcomes = [Failed("raised", str(error))] * len(request.views)
     except Exception:  # noqa: BLE001 - reading what the function returned failed (a value beyond float's range)
-        return [Failed("value", user_traceback())] * len(request.views)
+        outcomes = [Failed("value", user_traceback())] * len(request.views)
+    return CallResult(log.with_extras(outcomes), log.metrics)
+
+
+class _CallLog:
+    """TRL's ``log_metric(name, value)`` and ``log_extra(column, values)`` for one call: the metrics kept by name, a
+    number per sample of ``log_extra`` added to the sample's extras (``train/reward/<name>/<column>``, as a dict's)."""
+
+    def __init__(self, samples: int, many: bool):
+        self.samples, self.many = samples, many
+        self.metrics: dict[str, list[float]] = {}
+        self.extras: dict[str, list] = {}
+
+    def names(self, binding: Binding, state: TrainerState | None) -> dict[str, Any]:
+        made = {"trainer_state": state or TrainerState(), "log_metric": self.log_metric, "log_extra": self.log_extra}
+        return {name: value for name, value in made.items() if binding.wants(name)}
+
+    def log_metric(self, name: str, value: float) -> None:
+        number = _number(value)
+        if number is not None and math.isfinite(number):
+            self.metrics.setdefault(str(name), []).append(number)
+
+    def log_extra(self, column: str, values: Any) -> None:
+        items = list(values) if isinstance(values, (list, tuple)) else [values]
+        if len(items) == self.samples:
+            self.extras[str(column)] = items
+
+    def with_extras(self, outcomes: list[Outcome]) -> list[Outcome]:
+        if not self.extras:
+            return outcomes
+        kept = []
+        for index, outcome in enumerate(outcomes):
+            if isinstance(outcome, Scored):
+                numbers_here = {column: _number(items[index]) for column, items in self.extras.items()}
+                extras = {c: n for c, n in numbers_here.items() if n is not None and math.isfinite(n)}
+                outcome = Scored(outcome.score, {**outcome.extras, **extras}, outcome.correct)
+            kept.append(outcome)
+        return kept
+
+
+def _seed(seed: int | None) -> None:
+    """Seed the generators a reward may draw from (``random``; numpy's and torch's where the process imported them):
+    the same call gets the same draws on a rerun, whichever worker takes it."""
+    if seed is None:
+        return
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed % 2 ** 32)
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(seed)
+
+
+_loop: dict[str, asyncio.AbstractEventLoop] = {}
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """This process's event loop, made once and kept (a lock, semaphore or client made at import binds to it)."""
+    loop = _loop.get("loop")
+    if loop is None or loop.is_closed():
+        loop = _loop["loop"] = asyncio.new_event_loop()
+    return loop
+
+
+def _await(awaitable) -> Any:
+    """Run ``awaitable`` to its end on this process's loop; on an interruption (the time limit) its task is
+    cancelled and given a moment to end, so that the next call starts on a loop with nothing of this one left."""
+    loop = _event_loop()
+    task = asyncio.ensure_future(awaitable, loop=loop)
+    try:
+        return loop.run_until_complete(task)
+    except BaseException:
+        task.cancel()
+        try:
+            loop.run_until_complete(asyncio.wait([task], timeout=1.0))
+        except BaseException:  # noqa: BLE001 - a task that will not end: the loop is replaced
+            loop.close()
+        raise
 
 
 def _invoke(fn: Callable, kwargs: dict, request: Call) -> Any:
@@ -124,43 +238,87 @@ def _invoke(fn: Callable, kwargs: dict, request: Call) -> Any:
 
     def call():
         result = fn(**kwargs)
-        return asyncio.run(result) if inspect.isawaitable(result) else result
+        return _await(result) if asyncio.iscoroutine(result) or asyncio.isfuture(result) else result
 
     return call() if request.bounds_itself else run_with_time_limit(call, request.time_limit_s)
+
+
+_USER_FAULTS: tuple[type[BaseException], ...] = (Exception,)  # in the trainer: a Ctrl-C there is the user's wish
+
+
+def _user_faults() -> tuple[type[BaseException], ...]:
+    """What counts as the function's own failure: in a worker every exception (``sys.exit``, ``KeyboardInterrupt``,
+    ``CancelledError``: a worker's SIGINT is ignored, so they come from the function) except the time limit's."""
+    return (BaseException,) if _worker["on"] else _USER_FAULTS
+
+
+def _timeout(request: Call, samples: int = 1) -> Failed:
+    each = f" ({samples} samples at dataset.reward_timeout_s each)" if samples > 1 else " (dataset.reward_timeout_s)"
+    return Failed("timeout", f"still running after its {request.time_limit_s:g} s time limit{each}")
 
 
 def _one_call(fn: Callable, kwargs: dict, request: Call) -> Outcome:
     try:
         return outcome_of(_invoke(fn, kwargs, request))
     except TimeLimitExceeded:
-        return Failed("timeout", f"still running after its {request.time_limit_s:g} s time limit "
-                                 "(dataset.reward_timeout_s)")
-    except Exception:  # noqa: BLE001 - the user's function raised: the sample scores 0, counted
-        return Failed("raised", user_traceback())
+        return _timeout(request)
+    except _user_faults():  # the user's function raised: the sample scores 0, counted
+        return _raised()
+
+
+def _concurrent_calls(fn: Callable, binding: Binding, request: Call, per_call: dict) -> list[Outcome]:
+    """A per-sample ``async`` function on each of several samples, concurrently on this process's loop: each within
+    the per-sample limit (``asyncio.wait_for``), all within their sum (an alarm, for a coroutine that blocks)."""
+    each_s = request.time_limit_s / len(request.views)
+
+    async def one(view):
+        try:
+            return outcome_of(await asyncio.wait_for(fn(**arguments(binding, view, per_call)), each_s))
+        except TimeLimitExceeded:
+            return Failed("timeout", f"blocked past the {request.time_limit_s:g} s limit of its {len(request.views)} "
+                                     "samples (an async function that blocks the event loop)")
+        except asyncio.TimeoutError:
+            return Failed("timeout", f"still running after its {each_s:g} s time limit (dataset.reward_timeout_s)")
+        except BaseException:  # noqa: BLE001 - in a worker: every exception is the function's
+            return _raised()
+
+    async def every():
+        return await asyncio.gather(*(one(view) for view in request.views))
+
+    try:
+        return run_with_time_limit(lambda: _await(every()), request.time_limit_s + 1.0)
+    except TimeLimitExceeded:
+        return [_timeout(request, len(request.views))] * len(request.views)
+
+
+def _raised() -> Failed:
+    """The exception being handled as the call's failure (a capped worker past its memory ends here instead)."""
+    end_if_over_memory(sys.exc_info()[1])
+    return Failed("raised", user_traceback())
 
 
 def user_traceback() -> str:
     """The exception being handled, its traceback without fgrpo's own frames (the call's wrapping): the user's code."""
     error = traceback.TracebackException(*sys.exc_info())
     error.stack = traceback.StackSummary.from_list(
-        [frame for frame in error.stack if not frame.filename.startswith(_FGRPO_REWARDS)])
+        [frame for frame in error.stack if not frame.filename.startswith(_FGRPO_REWARDS)
+         and "asyncio" + os.sep not in frame.filename])
     return "".join(error.format())
 
 
 _FGRPO_REWARDS = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def _batch_call(fn: Callable, binding: Binding, request: Call) -> list[Outcome]:
+def _batch_call(fn: Callable, binding: Binding, request: Call, per_call: dict) -> list[Outcome]:
     count = len(request.views)
     kwargs = batch_arguments(binding, list(request.views), conversational=request.conversational,
-                             system_prompt=request.system_prompt)
+                             system_prompt=request.system_prompt, per_call=per_call)
     try:
         values = _invoke(fn, kwargs, request)
     except TimeLimitExceeded:
-        return [Failed("timeout", f"still running after its {request.time_limit_s:g} s time limit "
-                                  f"({count} samples at dataset.reward_timeout_s each)")] * count
-    except Exception:  # noqa: BLE001
-        return [Failed("raised", user_traceback())] * count
+        return [_timeout(request, count)] * count
+    except _user_faults():
+        return [_raised()] * count
     if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
         return [Failed("value", f"a batch function (it takes completions or prompts) must return a list of "
                                 f"{count} values, got {_shown(values)}")] * count

@@ -1,4 +1,4 @@
-"""``dataset.rewards``: the reward functions of a run, each an entry ``{fn, name, weight, verdict, threshold}``, and the
+"""``dataset.rewards``: the reward functions of a run, each an entry ``{fn, name, weight, verdict, threshold, kwargs}``, and the
 checks that need no import (names, weights, the one verdict, the form of ``fn``), run before anything loads.
 
 ``fn`` is a built-in check by name (:data:`BUILTINS`: ``numeric``, ``math``) or a user's function by import path
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from fgrpo.infra.errors import ConfigError
@@ -39,6 +39,7 @@ class RewardEntry:
     verdict: bool  # this entry gives the sample's 0/1 verdict
     threshold: float  # verdict: score >= threshold, where the function returned no "correct"
     key: str  # dataset.rewards[i], for messages
+    kwargs: Mapping[str, Any] = field(default_factory=dict)  # passed by name on every call (verl's reward_kwargs)
 
     @property
     def builtin(self) -> bool:
@@ -114,4 +115,18 @@ def _entry(item: Mapping[str, Any], key: str, problems: list[str], resolve_files
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             problems.append(f"{key}.{field_name}={value!r}: must be a finite number (e.g. {field_name}: 1.0)")
             return None
-    return RewardEntry(fn, target, str(name), float(weight), bool(item.get("verdict", False)), float(threshold), key)
+    kwargs = item.get("kwargs") or {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        problems.append(f"{key}.kwargs={kwargs!r}: a mapping of parameter names to values, e.g. kwargs: {{scale: 2}}")
+        return None
+    return RewardEntry(fn, target, str(name), float(weight), bool(item.get("verdict", False)), float(threshold), key,
+                       _plain(kwargs))
+
+
+def _plain(value: Any) -> Any:
+    """A config's mappings and lists as plain dicts and lists (they are pickled to the workers)."""
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and type(value).__name__ == "ListConfig"):
+        return [_plain(item) for item in value]
+    return value

@@ -9,8 +9,8 @@ crash, hang or leak cannot stop the trainer; the built-in ``math`` check where `
 from __future__ import annotations
 
 import contextlib
-import math
 import logging
+import math
 import multiprocessing
 import os
 import pickle
@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 import weakref
-from concurrent.futures import Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,8 +26,9 @@ from typing import Any, Callable
 from pebble import ProcessExpired, ProcessPool
 
 from fgrpo.rewards.time_limit import check_timeout
+from fgrpo.rewards.worker import WORKER_SIGNALS, WorkerSetup, describe_exit, prepare_worker
 
-__all__ = ["AUTO_WORKERS", "Fault", "WorkerPool", "auto_workers", "resolve_workers"]
+__all__ = ["AUTO_WORKERS", "Fault", "WorkerPool", "StartupTimeout", "auto_workers", "resolve_workers"]
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,13 @@ MAX_POOL_RESTARTS = 3
 """New pebble pools one batch may start after pebble gives up on one, before the batch fails (the run stops)."""
 
 STARTUP_LIMIT_S = 120.0
-"""A batch's first task must have reached a worker by then: a new worker imports the task's function (math-verify:
-about a second alone, more on a busy machine) before it takes tasks."""
+"""A batch's first task must have reached a worker by then (the default of ``startup_limit_s``,
+``dataset.reward_import_timeout_s``): a new worker imports the task's function (math-verify: about a second alone,
+more on a busy machine) before it takes tasks."""
+
+
+class StartupTimeout(RuntimeError):
+    """No worker was ready within the start-up limit: importing the functions hangs or takes longer."""
 
 
 @dataclass(frozen=True)
@@ -82,12 +88,6 @@ def resolve_workers(workers: int | str) -> int:
 # --- the pool's helpers ----------------------------------------------------------------------
 
 
-# Ctrl-C and Slurm's stop signals reach every process of the job: the pool's process decides what stops. A worker
-# is born with them blocked (:func:`_signals_blocked`) and unblocks them once it ignores them, so that one arriving
-# while it starts (importing the main module again, for seconds) cannot end it.
-WORKER_SIGNALS = (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-
-
 @contextlib.contextmanager
 def _signals_blocked():
     """Block :data:`WORKER_SIGNALS` in this thread meanwhile: the threads and processes started meanwhile inherit the
@@ -97,19 +97,6 @@ def _signals_blocked():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def _prepare_worker(warm_up: Callable[[], Any] | None) -> None:
-    """A worker's initializer, run by pebble before the worker takes tasks (pebble's worker ignores SIGINT)."""
-    for signum in (signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_SIGNALS)
-    if warm_up is None:
-        return
-    try:
-        warm_up()  # lazy imports (math-verify's, a user's module) now: pebble's time limit starts when a task is taken
-    except Exception:  # noqa: BLE001 - a function that fails here fails on its tasks, where it is reported
-        pass
 
 
 class _SpawnContext:
@@ -146,16 +133,6 @@ def _stop_pool(pool: ProcessPool, owner_pid: int) -> None:
     if os.getpid() == owner_pid:
         pool.stop()
         pool.join()
-
-
-def _describe_exit(exit_code: int | None) -> str:
-    """A worker's exit code in words: a negative one is the signal that ended it."""
-    if exit_code is None:
-        return "exit code unknown"
-    if exit_code < 0:
-        name = signal.Signals(-exit_code).name
-        return f"killed by {name}" + (" (out of memory?)" if -exit_code == signal.SIGKILL else "")
-    return f"exit code {exit_code}"
 
 
 def _pebbles_own(error: BaseException) -> bool:
@@ -196,13 +173,16 @@ class WorkerPool:
 
     def __init__(self, fn: Callable[..., Any], workers: int | str = AUTO_WORKERS, *, timeout_s: float = 5.0,
                  stuck_margin_s: float = STUCK_MARGIN_S, warm_up: Callable[[], Any] | None = None,
-                 in_process_alone: bool = False):
+                 in_process_alone: bool = False, seed: int | None = None, memory_gib: float | None = None,
+                 max_calls: int = 0, startup_limit_s: float = STARTUP_LIMIT_S):
         self.fn = fn
         self.workers = resolve_workers(workers)
         self.timeout_s = check_timeout(timeout_s)
         self.stuck_margin_s = stuck_margin_s
         self.warm_up = warm_up
         self.in_process_alone = in_process_alone
+        self.seed, self.memory_gib, self.max_calls = seed, memory_gib, max_calls
+        self.startup_limit_s = startup_limit_s
         self.worker_deaths = 0
         self.stuck_workers_killed = 0
         self._ever_ready = False  # a worker of this pool finished a task: the setup works, a broken pool is bad luck
@@ -214,7 +194,8 @@ class WorkerPool:
     def __getstate__(self) -> dict:
         return {"fn": self.fn, "workers": self.workers, "timeout_s": self.timeout_s,
                 "stuck_margin_s": self.stuck_margin_s, "warm_up": self.warm_up,
-                "in_process_alone": self.in_process_alone}
+                "in_process_alone": self.in_process_alone, "seed": self.seed, "memory_gib": self.memory_gib,
+                "max_calls": self.max_calls, "startup_limit_s": self.startup_limit_s}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
@@ -240,25 +221,32 @@ class WorkerPool:
         """The running workers' process ids (none before the first batch and after :meth:`close`)."""
         return [] if self._context is None else self._context.live_pids()
 
-    def run(self, tasks: list[tuple], timeouts: list[float] | None = None) -> list[Any]:
+    def run(self, tasks: list[tuple], timeouts: list[float] | None = None,
+            on_result: Callable[[int, Any], bool] | None = None) -> list[Any]:
         """``fn(*task)`` of each task, in their order, spread over the workers; a :class:`Fault` for a task whose worker
         died or was stuck. ``timeouts``: each task's time limit (default ``timeout_s``; a task that bounds itself,
-        as the math check, is killed only ``stuck_margin_s`` after it).
+        as the math check, is killed only ``stuck_margin_s`` after it). ``on_result(index, result)``: called as each
+        task ends, in the order they end; True stops the batch (its workers are ended; the tasks not done are None).
 
         Raises:
             RuntimeError: ``fn`` raised on a task (after the batch's other tasks finish), or the workers could not
-                start.
+                start (:class:`StartupTimeout`: not within ``startup_limit_s``).
         """
         timeouts = [self.timeout_s] * len(tasks) if timeouts is None else list(timeouts)
         if len(timeouts) != len(tasks):
             raise ValueError(f"{len(timeouts)} time limits for {len(tasks)} tasks")
         if self.in_process:
-            return [self.fn(*task) for task in tasks]
+            results = []
+            for index, task in enumerate(tasks):
+                results.append(self.fn(*task))
+                if on_result is not None and on_result(index, results[-1]):
+                    return results + [None] * (len(tasks) - len(results))
+            return results
         if not tasks:
             return []
         with self._lock:
             try:
-                return self._run_all(list(tasks), timeouts)
+                return self._run_all(list(tasks), timeouts, on_result)
             except BaseException:
                 self._stop()  # workers in an unknown state (an interrupt mid-batch): the next batch starts afresh
                 raise
@@ -285,8 +273,9 @@ class WorkerPool:
         pickle.dumps((self.fn, self.warm_up))  # an unpicklable function fails here, not in pebble's threads
         self._context = _SpawnContext()
         with _signals_blocked():
-            self._pool = ProcessPool(self.workers, initializer=_prepare_worker, initargs=(self.warm_up,),
-                                     context=self._context)
+            setup = WorkerSetup(self.warm_up, self.seed, self.memory_gib)
+            self._pool = ProcessPool(self.workers, max_tasks=self.max_calls, initializer=prepare_worker,
+                                     initargs=(setup,), context=self._context)
             self._pool.schedule(os.getpid)  # pebble starts its threads and workers with the first task: a no-op one
         self._finalizer = weakref.finalize(self, _stop_pool, self._pool, os.getpid())
 
@@ -296,16 +285,20 @@ class WorkerPool:
             self._finalizer()  # stops the pool and detaches itself
         self._pool = self._context = self._finalizer = None
 
-    def _run_all(self, tasks: list[tuple], timeouts: list[float]) -> list[Any]:
+    def _run_all(self, tasks: list[tuple], timeouts: list[float],
+                 on_result: Callable[[int, Any], bool] | None) -> list[Any]:
         """Every task's result, in a new pebble pool for the tasks left when pebble gives up on one."""
         results: list[Any] = [None] * len(tasks)
         waiting = list(range(len(tasks)))
         restarts = 0
         while True:
             self._start()
-            waiting, failure = self._run(tasks, timeouts, waiting, results)
+            waiting, failure, stopped = self._run(tasks, timeouts, waiting, results, on_result)
             if failure is not None:
                 raise RuntimeError(f"{self.fn!r} raised on task {failure}")
+            if stopped:
+                self._stop()  # its workers may be on tasks nobody waits for: the next batch starts afresh
+                return results
             if not waiting:
                 return results
             self._stop()
@@ -320,72 +313,95 @@ class WorkerPool:
             log.warning("the worker pool broke (a worker ended while no task ran, or the batch ran past its "
                         "deadline); %d tasks go to a new pool (%d of %d)", len(waiting), restarts, MAX_POOL_RESTARTS)
 
-    def _run(self, tasks: list[tuple], timeouts: list[float], indices: list[int],
-             results: list[Any]) -> tuple[list[int], str | None]:
-        """Run the tasks at ``indices`` in the current pebble pool, into ``results``.
+    def _run(self, tasks: list[tuple], timeouts: list[float], indices: list[int], results: list[Any],
+             on_result: Callable[[int, Any], bool] | None) -> tuple[list[int], str | None, bool]:
+        """Run the tasks at ``indices`` in the current pebble pool, into ``results``, each handed to ``on_result`` as
+        it ends.
 
-        Returns the tasks left undone because pebble gave up on the pool or the batch ran past its deadline, and
-        ``fn``'s first error (``"index:\\ntraceback"``), if any.
+        Returns the tasks left undone because pebble gave up on the pool or the batch ran past its deadline, ``fn``'s
+        first error (``"index:\\ntraceback"``), if any, and whether ``on_result`` stopped the batch.
         """
-        futures: dict[int, Future] = {}
+        futures: dict[Future, int] = {}
         for index in indices:
             try:
-                futures[index] = self._pool.schedule(self.fn, tasks[index],
-                                                     timeout=timeouts[index] + self.stuck_margin_s)
+                future = self._pool.schedule(self.fn, tasks[index], timeout=timeouts[index] + self.stuck_margin_s)
             except RuntimeError:  # pebble already gave up on this pool
                 break
-        self._wait(list(futures.values()), max(timeouts[i] for i in indices))
-        left, failure, lost = [], None, False
-        for index in indices:
-            future = futures.get(index)
-            error = future.exception() if future is not None and future.done() else BrokenProcessPool()
-            if error is None:
-                results[index], self._ever_ready = future.result(), True
-            elif isinstance(error, BrokenProcessPool):
-                left.append(index)
-            elif isinstance(error, ProcessExpired) and _pebbles_own(error):
-                self.worker_deaths += 1
-                lost = True
-                results[index] = Fault("died", _describe_exit(error.exitcode))
-                log.warning("worker pid %s died (%s) on task %d (it counts as failed); replaced (%d worker deaths "
-                            "so far)", error.pid, results[index].detail, index, self.worker_deaths)
-            elif isinstance(error, TimeoutError) and _pebbles_own(error):
-                self.stuck_workers_killed += 1
-                lost = True
-                results[index] = Fault("stuck", f"still running {self.stuck_margin_s:.1f} s after its "
-                                                f"{timeouts[index]:.1f} s time limit")
-                log.warning("worker still on task %d %s: killed, the task counts as failed, replaced (%d stuck "
-                            "workers so far)", index, results[index].detail, self.stuck_workers_killed)
-            else:  # raised by fn in a worker, which therefore got going
-                self._ever_ready = True
-                failure = failure or f"{index}:\n{getattr(error, 'traceback', repr(error))}"
-        if lost:
-            self._await_replacements()
-        return left, failure
+            futures[future] = index
+        state = {"failure": None, "lost": False, "stopped": False}
+        placed: set[int] = set()
 
-    def _wait(self, futures: list[Future], longest_s: float) -> None:
-        """Until every future is done, pebble gives up on the pool, or the batch's deadline passes (then some may
-        never be done). The deadline: the start-up limit plus the longest time limit and margin per task, run one
-        worker after another; only a pool whose workers block each other gets there (pebble's workers share one lock
-        on their channel, and one killed while it holds it blocks the rest without pebble noticing).
+        def take(future: Future) -> None:
+            index = futures[future]
+            if self._take(future, index, timeouts[index], results, state):
+                placed.add(index)
+                if on_result is not None and not state["stopped"]:
+                    state["stopped"] = bool(on_result(index, results[index]))
+
+        self._wait(list(futures), max(timeouts[i] for i in indices), take, lambda: state["stopped"])
+        left = [index for index in indices if index not in placed] if not state["stopped"] else []
+        if state["lost"] and not state["stopped"]:
+            self._await_replacements()
+        return left, state["failure"], state["stopped"]
+
+    def _take(self, future: Future, index: int, timeout_s: float, results: list[Any], state: dict) -> bool:
+        """A done task's result into ``results`` (a :class:`Fault` for a death or a kill); False where pebble gave
+        up on the pool (the task is left for a new one) or ``fn`` raised (noted in ``state``)."""
+        error = future.exception()
+        if error is None:
+            results[index], self._ever_ready = future.result(), True
+            return True
+        if isinstance(error, BrokenProcessPool):
+            return False
+        if isinstance(error, ProcessExpired) and _pebbles_own(error):
+            self.worker_deaths += 1
+            state["lost"] = True
+            results[index] = Fault("died", describe_exit(error.exitcode, self.memory_gib))
+            log.warning("worker pid %s died (%s) on task %d (it counts as failed); replaced (%d worker deaths so far)",
+                        error.pid, results[index].detail, index, self.worker_deaths)
+            return True
+        if isinstance(error, TimeoutError) and _pebbles_own(error):
+            self.stuck_workers_killed += 1
+            state["lost"] = True
+            results[index] = Fault("stuck", f"still running {self.stuck_margin_s:.1f} s after its {timeout_s:.1f} s "
+                                            "time limit")
+            log.warning("worker still on task %d %s: killed, the task counts as failed, replaced (%d stuck workers so "
+                        "far)", index, results[index].detail, self.stuck_workers_killed)
+            return True
+        self._ever_ready = True  # raised by fn in a worker, which therefore got going
+        state["failure"] = state["failure"] or f"{index}:\n{getattr(error, 'traceback', repr(error))}"
+        return False
+
+    def _wait(self, futures: list[Future], longest_s: float, take: Callable[[Future], None],
+              stop: Callable[[], bool]) -> None:
+        """Hand each future to ``take`` as it is done, until all are, ``stop()`` says so, pebble gives up on the pool,
+        or the batch's deadline passes. The deadline: the start-up limit plus the longest
+        time limit and margin per task, run one worker after another; only a pool whose workers block each other
+        gets there (pebble's workers share one lock on their channel, and one killed while it holds it blocks the rest
+        without pebble noticing).
 
         Raises:
-            RuntimeError: no task reached a worker within ``STARTUP_LIMIT_S``: the workers hang while starting.
+            StartupTimeout: no task reached a worker within ``startup_limit_s``: the workers hang while starting.
         """
         started, reached = time.monotonic(), False
         rounds = math.ceil(len(futures) / self.workers)
-        deadline = started + STARTUP_LIMIT_S + rounds * (longest_s + self.stuck_margin_s)
-        pending = set(futures)
-        while pending and self._pool.active:
-            _, pending = wait(pending, timeout=0.25)  # and look again whether pebble gave up
-            reached = reached or any(future.running() or future.done() for future in futures)
-            if not reached and time.monotonic() - started > STARTUP_LIMIT_S:
-                raise RuntimeError(f"no worker was ready {STARTUP_LIMIT_S:.0f} s after the batch came (importing "
-                                   "the function hangs, or the machine is overloaded)")
+        deadline = started + self.startup_limit_s + rounds * (longest_s + self.stuck_margin_s)
+        pending, done = set(futures), set()
+        while pending and not stop():
+            finished, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+            for future in sorted(finished, key=futures.index):
+                done.add(future)
+                take(future)
+            if not self._pool.active:  # pebble gave up: what it finished is taken, the rest goes to a new pool
+                break
+            reached = reached or bool(done) or any(future.running() for future in futures)
+            if not reached and time.monotonic() - started > self.startup_limit_s:
+                raise StartupTimeout(f"no worker was ready {self.startup_limit_s:.0f} s after the batch came "
+                                     "(importing the function hangs or takes longer, or the machine is overloaded)")
             if pending and time.monotonic() > deadline:
                 log.warning("%d tasks still open %.0f s after the batch came: the pool is stuck; they go to a new one",
                             len(pending), time.monotonic() - started)
-                return
+                break
 
     def _await_replacements(self, limit_s: float = 5.0) -> None:
         """Let pebble start the replacements of the workers this batch lost (it looks every 0.1 s), so that the batch

@@ -53,6 +53,7 @@ class Problem:
     # messages; None: not yet settled (with_prompts adds model.instruction to the question)
     prompt: str | tuple[dict[str, str], ...] | None = None
     fields: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # every column of the row
+    reference: Any = field(default=None, compare=False, repr=False)  # the answer as the row holds it (ground_truth)
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,14 @@ class RowFormat:
     messages_field: str | None = None
     prompt_template: str | None = None
     instruction: str = ""  # model.instruction: after the question; in a template where it says {instruction}
-    require_answer: bool = True
+    require_answer: bool | str = True  # True (or "text"): usable as text; "value": any value (verl's ground_truth)
     generated: bool = False  # rows of a user's generator (errors say what its rows must hold)
 
 
 ARITHMETIC_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 LOADER_KINDS = ("file", "hub")
-DATASET_KINDS = ("arithmetic", "sources", "generator")  # dataset.kind: arithmetic or a generator in-process; files / hub
+# dataset.kind: arithmetic, a generator or reasoning-gym's tasks (fgrpo.tasks.reasoning_gym) in-process; files / hub
+DATASET_KINDS = ("arithmetic", "sources", "generator", "reasoning_gym")
 
 _LOCAL_FILE_HINT = "dataset=local dataset.train.path=/path/to/train.jsonl"
 
@@ -232,10 +234,11 @@ def rows_to_problems(rows: list[Mapping[str, Any]], *, where: str, name: str, fm
             prompt = None  # the question with model.instruction: with_prompts
         raw_answer = field_value(row, fmt.answer_field)
         answer = answer_text(raw_answer)
-        if answer is None and fmt.require_answer:
+        unusable = raw_answer is MISSING or raw_answer is None if fmt.require_answer == "value" else answer is None
+        if fmt.require_answer and unusable:
             raise _row_error(row, where, place, fmt.answer_field, raw_answer, "answer", fmt.generated)
         problems.append(Problem(id=f"{id_prefix or name}/{index}", question=question, answer=answer, source=name,
-                                prompt=prompt, fields=dict(row)))
+                                prompt=prompt, fields=dict(row), reference=None if raw_answer is MISSING else raw_answer))
     return problems
 
 
@@ -288,7 +291,7 @@ def load_problems(
     messages_field: str | None = None,
     prompt_template: str | None = None,
     instruction: str = "",
-    require_answer: bool = True,
+    require_answer: bool | str = True,
 ) -> list[Problem]:
     """Load one source of problems and check every kept row, before any model loads.
 

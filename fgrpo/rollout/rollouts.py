@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,7 +17,7 @@ from fgrpo.rollout.data import Problem
 from fgrpo.infra.distributed import SINGLE, Ranks, gather_objects, sum_over_ranks
 from fgrpo.learner.packing import Sequence
 from fgrpo.rewards.binding import sample_view
-from fgrpo.rewards.scoring import Scorer
+from fgrpo.rewards.scoring import FAILURE_KINDS, ScoredBatch, Scorer
 from fgrpo.rollout.samplers import Completion
 
 
@@ -64,6 +65,8 @@ class Groups:
     reward_errors: int = 0  # samples whose reward call failed (scored 0)
     skipped_prompts: int = 0  # prompts dropped from the step for a skipped sample (drop_skipped)
     verify_time_s: float = 0.0  # inside the reward functions
+    failures: dict[str, Counter] = field(default_factory=dict)  # reward function -> kind -> samples failed so
+    reward_metrics: dict[str, list[float]] = field(default_factory=dict)  # "<function>/<metric>": log_metric's values
 
     def __post_init__(self) -> None:
         if self.rewards is None:
@@ -78,7 +81,7 @@ class Groups:
         return Groups([self.problems[i] for i in indices], [self.completions[i] for i in indices],
                       self.correct[indices], self.rewards[indices],
                       {name: values[indices] for name, values in self.values.items()}, self.skipped[indices],
-                      self.reward_errors, self.skipped_prompts, self.verify_time_s)
+                      self.reward_errors, self.skipped_prompts, self.verify_time_s, self.failures, self.reward_metrics)
 
     def extend(self, other: Groups) -> Groups:
         names = set(self.values) | set(other.values)
@@ -87,7 +90,10 @@ class Groups:
         return Groups(self.problems + other.problems, self.completions + other.completions,
                       torch.cat([self.correct, other.correct]), torch.cat([self.rewards, other.rewards]), values,
                       torch.cat([self.skipped, other.skipped]), self.reward_errors + other.reward_errors,
-                      self.skipped_prompts + other.skipped_prompts, self.verify_time_s + other.verify_time_s)
+                      self.skipped_prompts + other.skipped_prompts, self.verify_time_s + other.verify_time_s,
+                      _added(self.failures, other.failures),
+                      {name: self.reward_metrics.get(name, []) + other.reward_metrics.get(name, [])
+                       for name in {**self.reward_metrics, **other.reward_metrics}})
 
     def drop_skipped(self) -> Groups:
         """Without the prompts that have a skipped sample (every reward function returned None): the groups stay
@@ -110,6 +116,10 @@ class Groups:
         return [i for i in range(len(self)) if 0 < successes[i] < self.correct.shape[1]]
 
 
+def _added(one: dict[str, Counter], other: dict[str, Counter]) -> dict[str, Counter]:
+    return {name: one.get(name, Counter()) + other.get(name, Counter()) for name in {**one, **other}}
+
+
 def prompt_seeds(seed: int, count: int) -> list[int]:
     """One sampling seed per prompt of a draw, from the draw's ``seed`` and the prompt's place in it: the same
     whichever rank draws the prompt. The first is the draw's own (a sampler that takes one seed per call, HF,
@@ -119,18 +129,23 @@ def prompt_seeds(seed: int, count: int) -> list[int]:
 
 def sample_groups(sampler, problems: list[Problem], prompt_ids: dict[str, list[int]], scorer: Scorer, *,
                   group_size: int, max_new_tokens: int, temperature: float, top_p: float,
-                  seed: int | list[int]) -> Groups:
+                  seed: int | list[int], ranks: Ranks = SINGLE) -> Groups:
     """``group_size`` completions per problem, each scored by the run's reward functions. ``seed``: the draw's, or
     one per problem (:func:`prompt_seeds`). All the draw's samples go to the scorer in one call, so its pool spreads
-    them over its workers."""
+    them over its workers; the ranks of one vLLM engine (``ranks.tensor_parallel``) drew the same samples and score a
+    share each (:func:`score_engine_draw`)."""
     completions = sampler.generate([prompt_ids[p.id] for p in problems], group_size, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, seed=seed)
     start = time.perf_counter()
     views = [sample_view(completion=c.text, completion_ids=c.token_ids,
                          prompt=list(p.prompt) if isinstance(p.prompt, tuple) else p.prompt or p.question,
-                         answer=p.answer, source=p.source, fields=p.fields, timeout_s=scorer.timeout_s)
+                         answer=p.answer, source=p.source, fields=p.fields, timeout_s=scorer.timeout_s,
+                         reference=p.reference)
              for p, group in zip(problems, completions) for c in group]
-    scored = scorer.score(views)
+    prompt_seed = seed if isinstance(seed, list) else [seed + index for index in range(len(problems))]
+    # a reward's random draws follow the sample's own seed: the same on a rerun, whichever worker or rank scores it
+    seeds = [prompt_seed[i] * 1_009 + g for i in range(len(problems)) for g in range(group_size)]
+    scored = score_engine_draw(scorer, views, seeds, ranks)
     shape = (len(problems), group_size)
 
     def table(values: list) -> torch.Tensor:
@@ -139,7 +154,39 @@ def sample_groups(sampler, problems: list[Problem], prompt_ids: dict[str, list[i
     skipped = torch.tensor(scored.skipped, dtype=torch.bool).reshape(shape).any(dim=1)
     return Groups(problems, completions, table(scored.correct), table(scored.rewards),
                   {name: table(values) for name, values in scored.values.items()}, skipped, scored.errors,
-                  verify_time_s=time.perf_counter() - start)
+                  verify_time_s=time.perf_counter() - start, failures=scored.failures, reward_metrics=scored.metrics)
+
+
+def score_engine_draw(scorer: Scorer, views: list[dict], seeds: list[int], ranks: Ranks = SINGLE) -> ScoredBatch:
+    """The scores of an engine's draw. With one rank per engine, this rank's; with ``ranks.tensor_parallel`` ranks per
+    engine (all holding the same draw), each scores a contiguous share and every rank gathers its engine's shares, so
+    that each sample is scored once."""
+    tp = ranks.tensor_parallel
+    if tp == 1:
+        return scorer.score(views, seeds)
+    size = -(-len(views) // tp)
+    index = ranks.rank % tp
+    mine = scorer.score(views[index * size:(index + 1) * size], seeds[index * size:(index + 1) * size])
+    first = ranks.rank - index
+    return join_scored(gather_objects(mine)[first:first + tp])
+
+
+def join_scored(parts: list[ScoredBatch]) -> ScoredBatch:
+    """Scored batches of consecutive samples as one (a function's values None where a part lacks it)."""
+    joined = ScoredBatch([], [], [])
+    names = [name for part in parts for name in part.values]
+    for part in parts:
+        count = len(part.rewards)
+        joined.rewards += part.rewards
+        joined.correct += part.correct
+        joined.skipped += part.skipped
+        for name in dict.fromkeys(names):
+            joined.values.setdefault(name, []).extend(part.values.get(name, [None] * count))
+        for name, kinds in part.failures.items():
+            joined.failures.setdefault(name, Counter()).update(kinds)
+        for name, values in part.metrics.items():
+            joined.metrics.setdefault(name, []).extend(values)
+    return joined
 
 
 def collect_groups(draw: Callable[[list[Problem], list[int]], Groups], stream: ProblemStream, count: int, *, seed: int,
@@ -190,3 +237,30 @@ def learner_sequences(groups: Groups, advantages: torch.Tensor, prompt_ids: dict
     return [Sequence(prompt_ids[problem.id], completion.token_ids, float(advantages[i, j]))
             for i, (problem, group) in enumerate(zip(groups.problems, groups.completions))
             for j, completion in enumerate(group) if completion.token_ids]
+
+
+def reward_call_metrics(groups: Groups, prefix: str, ranks: Ranks = SINGLE,
+                        pool_counters: dict[str, int] | None = None) -> dict[str, float]:
+    """What the reward calls of a draw say beyond the scores, over every rank (one per engine: its ranks scored one
+    draw): ``<prefix>/reward/<function>/errors/<kind>`` (samples failed so, :data:`FAILURE_KINDS`), the means of what
+    the functions logged with ``log_metric`` (``<prefix>/reward/<function>/<metric>``), and, given ``pool_counters``,
+    the worker pools' own counts summed (``<prefix>/reward_pool/<count>``)."""
+    first_of_engine = ranks.rank % ranks.tensor_parallel == 0
+    mine = (groups.failures, groups.reward_metrics) if first_of_engine else ({}, {})
+    parts = gather_objects((mine, pool_counters or {}))
+    metrics: dict[str, float] = {}
+    values: dict[str, list[float]] = {}
+    for (failures, logged), _ in parts:
+        for name, kinds in failures.items():
+            for kind in FAILURE_KINDS:
+                key = f"{prefix}/reward/{name}/errors/{kind}"
+                metrics[key] = metrics.get(key, 0.0) + float(kinds.get(kind, 0))
+        for name, logged_values in logged.items():
+            values.setdefault(name, []).extend(logged_values)
+    metrics.update({f"{prefix}/reward/{name}": float(np.mean(items)) for name, items in values.items() if items})
+    if pool_counters is not None:
+        for _, counters in parts:
+            for name, count in counters.items():
+                key = f"{prefix}/reward_pool/{name}"
+                metrics[key] = metrics.get(key, 0.0) + float(count)
+    return metrics

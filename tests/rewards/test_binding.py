@@ -4,7 +4,8 @@ import functools
 
 import pytest
 
-from fgrpo.rewards.binding import arguments, batch_arguments, bind, sample_view, unfilled
+from fgrpo.rewards.binding import (TrainerState, arguments, batch_arguments, bind, needed, sample_view, unfilled,
+                                   unknown_kwargs)
 
 ROW = {"question": "What is 2 + 3?", "answer": 5, "solution": "5", "level": 2}
 
@@ -19,7 +20,7 @@ def view(**changes):
 def test_the_view_holds_fgrpos_names_and_every_column():
     got = view()
     assert got["completion"] == got["solution_str"] == "It is 5"
-    assert got["answer"] == got["ground_truth"] == "5"  # the reference as text, even where the column holds 5
+    assert got["answer"] == got["ground_truth"] == "5"  # no reference given: the text (the row's own: test below)
     assert got["completion_ids"] == [7, 8] and got["timeout_s"] == 5.0
     assert got["data_source"] == "arith" and got["extra_info"] == ROW  # no such columns: the source, every column
     assert got["solution"] == "5" and got["level"] == 2 and got["question"] == ROW["question"]
@@ -96,3 +97,80 @@ def test_a_batch_function_gets_lists_and_trls_chat_form(conversational):
     else:
         assert got["completions"] == ["5", "6"] and got["prompts"] == ["What is 2 + 3? Answer."] * 2
     assert got["answer"] == ["5", "5"]  # **kwargs: every name as a list
+
+
+def only_completions(completions):
+    return [1.0] * len(completions)
+
+
+def only_prompts(prompts):
+    return [1.0] * len(prompts)
+
+
+def both(prompts, completions):
+    return [1.0] * len(completions)
+
+
+def completions_kwargs(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def prompts_kwargs(prompts, **kwargs):
+    return [1.0] * len(prompts)
+
+
+def both_kwargs(prompts, completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize("fn", [only_completions, only_prompts, both, completions_kwargs, prompts_kwargs, both_kwargs])
+@pytest.mark.parametrize("conversational", [False, True])
+def test_every_combination_of_trls_names_gets_exactly_its_parameters(fn, conversational):
+    """What a worker is sent (``needed``) is all a call may read: a function taking completions alone gets no prompts
+    (this was a KeyError on every sample of a chat model)."""
+    binding = bind(fn)
+    sent = [needed(binding, view(completion="5")), needed(binding, view(completion="6"))]
+    got = batch_arguments(binding, sent, conversational=conversational, system_prompt="Be brief.")
+    assert fn(**got) == [1.0, 1.0]
+    if "completions" in binding.params:
+        assert got["completions"] == ([[{"role": "assistant", "content": "5"}], [{"role": "assistant", "content": "6"}]]
+                                      if conversational else ["5", "6"])
+    if "prompts" in binding.params:
+        user = "What is 2 + 3? Answer."
+        assert got["prompts"] == ([[{"role": "system", "content": "Be brief."}, {"role": "user", "content": user}]] * 2
+                                  if conversational else [user] * 2)
+    if not binding.takes_kwargs:
+        assert set(got) == set(binding.params)
+
+
+def test_verls_batch_names_and_an_entrys_kwargs():
+    def verl_batch(data_sources, solution_strs, ground_truths, extra_infos, scale=1.0):
+        return [scale * (gt in s) for s, gt in zip(solution_strs, ground_truths)]
+
+    binding = bind(verl_batch)
+    assert binding.batch and unfilled(binding, set()) == []
+    sent = [needed(binding, view(completion="It is 5")), needed(binding, view(completion="no"))]
+    got = batch_arguments(binding, sent, conversational=True, per_call={"scale": 2.0})
+    assert got["data_sources"] == ["arith", "arith"] and got["extra_infos"] == [ROW, ROW]
+    assert verl_batch(**got) == [2.0, 0.0]
+    assert unknown_kwargs(bind(fgrpo_style), {"scale": 2}) == ["scale"] and unknown_kwargs(binding, {"scale": 2}) == []
+    assert unfilled(bind(lambda completion, mode: 0), set(), {"mode": "strict"}) == []
+
+
+@pytest.mark.parametrize("reference", [{"target": [3, 4]}, [1, 2], 7, "seven"])
+def test_verls_ground_truth_arrives_as_the_row_holds_it(reference):
+    got = view(reference=reference, answer=None if isinstance(reference, (dict, list)) else str(reference))
+    assert got["ground_truth"] == reference and type(got["ground_truth"]) is type(reference)
+    assert got["row"] == ROW  # every column as it is: a column named 'answer' stays reachable as row["answer"]
+    assert got["row"]["answer"] == 5
+
+
+def test_trls_per_call_names_are_passed_to_whoever_asks():
+    def curriculum(completion, trainer_state, log_metric):
+        return 0.0
+
+    binding = bind(curriculum)
+    assert unfilled(binding, set()) == [] and binding.wants("trainer_state") and not bind(fgrpo_style).wants("log_metric")
+    state = TrainerState(3, 10, 0.5)
+    got = arguments(binding, view(), {"trainer_state": state, "log_metric": print})
+    assert got["trainer_state"].global_step == 3 and got["log_metric"] is print

@@ -46,7 +46,7 @@ def test_a_call_runs_the_function_by_its_path_and_catches_what_it_does(tmp_path)
     target = f"{tmp_path / 'rewards_here.py'}"
 
     def call(name, views=({"completion": "abc"},), batch=False, limit=1.0):
-        return run_task(Call(f"{target}:{name}", "dataset.rewards[0].fn", tuple(views), batch, limit))
+        return run_task(Call(f"{target}:{name}", "dataset.rewards[0].fn", tuple(views), batch, limit)).outcomes
 
     assert call("echo") == [Scored(3.0)]
     (raised,) = call("boom")

@@ -297,8 +297,6 @@ def test_a_batch_whose_pool_stops_answering_goes_to_a_new_pool(monkeypatch, capl
     answers go to a new pool."""
     from concurrent.futures import Future
 
-    from fgrpo.rewards import pool as pool_module
-
     with math_pool(timeout_s=0.2, stuck_margin_s=0.2) as pool:
         assert verdicts(pool, [r"\boxed{1}"], ["1"]) == [1.0]  # the workers run: a stuck pool is bad luck
         stuck_pool = pool._pool
@@ -309,14 +307,14 @@ def test_a_batch_whose_pool_stops_answering_goes_to_a_new_pool(monkeypatch, capl
             return future
 
         monkeypatch.setattr(stuck_pool, "schedule", taken_never_finished)
-        usual_start_up_limit_s = pool_module.STARTUP_LIMIT_S
-        monkeypatch.setattr(pool_module, "STARTUP_LIMIT_S", 1.0)  # the stuck pool's deadline: 1 s + two rounds
+        usual_start_up_limit_s = pool.startup_limit_s
+        monkeypatch.setattr(pool, "startup_limit_s", 1.0)  # the stuck pool's deadline: 1 s + two rounds
         stop_stuck_pool = pool._stop
 
         def stop_then_usual_start_up_limit():
             # the new pool's workers start at the machine's pace (over 1 s on a loaded 2-core AVX2 EPYC)
             stop_stuck_pool()
-            monkeypatch.setattr(pool_module, "STARTUP_LIMIT_S", usual_start_up_limit_s)
+            monkeypatch.setattr(pool, "startup_limit_s", usual_start_up_limit_s)
 
         monkeypatch.setattr(pool, "_stop", stop_then_usual_start_up_limit)
         started = time.monotonic()

@@ -114,8 +114,11 @@ def test_crashes_hangs_and_bugs_cost_their_sample_and_are_counted(reward_file, c
     assert batch.rewards == [0.0, 0.0, 0.0, 0.0, 1.0] and batch.correct == [0.0, 0.0, 0.0, 0.0, 1.0]
     assert batch.errors == 4 and again.errors == 1 and again.rewards == [0.0, 1.0]
     assert made.pool.counters == {"worker_deaths": 1, "stuck_workers_killed": 1}  # the slow one: its own time limit
+    # by kind: the crash died, the hang (SIGALRM blocked) was killed past its limit, the slow one hit it, the bug raised
+    assert batch.failures["fragile"] == {"died": 1, "timeout": 2, "raised": 1}
+    assert again.failures["fragile"] == {"raised": 1}
     reports = [r.getMessage() for r in caplog.records if "reward function fragile" in r.getMessage()]
-    assert len(reports) == 1 and "died" in reports[0]  # its first failure, once
+    assert sorted(r.split("failed (")[1].split(")")[0] for r in reports) == ["died", "raised", "timeout"]  # once each
 
 
 def test_none_skips_a_sample_and_other_entries_keep_their_values(reward_file):
@@ -160,9 +163,11 @@ def test_a_draw_goes_to_the_pool_in_one_batch(reward_file, monkeypatch):
     made = scorer(reward_file, {"fn": "exact", "verdict": True}, {"fn": "polite", "weight": 0.1})
     batches = []
     run = made.pool.run
-    monkeypatch.setattr(made.pool, "run", lambda tasks, timeouts=None: batches.append(len(tasks)) or run(tasks, timeouts))
+    monkeypatch.setattr(made.pool, "run", lambda tasks, timeouts=None, on_result=None:
+                        batches.append(len(tasks)) or run(tasks, timeouts, on_result))
     try:
         made.score(views(["4"] * 6, ["4"] * 6))
     finally:
         made.close()
-    assert batches == [12]  # both functions' 6 calls, spread over the workers together
+    # exact's 6 calls and the async polite's 2 (a share per worker, its samples concurrent), spread together
+    assert batches == [8]
