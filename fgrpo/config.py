@@ -73,14 +73,16 @@ class FocalConfig:
 
 def advantage_node() -> dict:
     """``advantage``: the method's name (``advantage=<name>``, or a user's ``advantage.name="my_adv.py:fn"``) and every
-    built-in method's parameters with the defaults each method declares (fgrpo.algorithm.advantage_methods). A plain
-    node, not a dataclass, so that a user's method's parameters can be added (``+advantage.<name>=value``, or under
-    ``advantage:`` in an experiment file); fgrpo.validation checks each against its declaration (type and range)."""
+    built-in method's parameter names, unset (null: the chosen method's own declared default, so that a user's method
+    with a parameter of the same name gets its own default, never a built-in's; the option files under
+    conf/advantage/ set theirs). A plain node, not a dataclass, so that a user's method's parameters can be added
+    (``+advantage.<name>=value``, or under ``advantage:`` in an experiment file); fgrpo.validation checks each against
+    its declaration (type and range)."""
     node: dict = {"name": MISSING}
     for method in methods().values():
-        for param_name, param in method.params.items():
+        for param_name in method.params:
             if method.key(param_name) != GAMMA_KEY:
-                node.setdefault(param_name, param.default)
+                node.setdefault(param_name, None)
     return node
 
 
@@ -137,6 +139,7 @@ class DatasetConfig:
     generator: Optional[str] = None  # kind=generator: "file.py:function" returning a list of row dicts
     generator_args: Any = None  # its keyword arguments (a seed among them), e.g. {seed: 0, count: 200}
     generator_n_eval: int = 40  # kind=generator: its first rows, this many, are held out for evaluation
+    generator_timeout_s: float = 300.0  # kind=generator: it runs in a worker process, within this time
     # kind=reasoning_gym (fgrpo/tasks/reasoning_gym.py; the reasoning-gym extra): its tasks by name, each a name or
     # {name, weight, config} (config: the task's own settings; weight: its share of the training problems), seeded
     # by tasks_seed (default: the run's seed); tasks_eval_size held out per task, tasks_train_size training in all

@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fgrpo.algorithm.advantage_methods import AdvantageSettings
-from fgrpo.algorithm.advantage_registry import GAMMA_KEY
+from fgrpo.algorithm.advantage_registry import GAMMA_KEY, configured
 from fgrpo.algorithm.losses import LossSettings
 from fgrpo.config import learning_rate, to_container
 from fgrpo.evaluation.rare_set import RareSet, check_vocabulary, load_rare_set
@@ -277,7 +277,9 @@ def load_data(dataset_cfg, *, instruction: str = "", require_answer: bool | str 
     if dataset_cfg.kind == "generator":
         args = OmegaConf.to_container(dataset_cfg.generator_args) if dataset_cfg.generator_args is not None else {}
         train, held_out = generated_problems(dataset_cfg.generator, args, name=dataset_cfg.name,
-                                             n_eval=dataset_cfg.generator_n_eval, fmt=fmt)
+                                             n_eval=dataset_cfg.generator_n_eval, fmt=fmt,
+                                             timeout_s=dataset_cfg.generator_timeout_s,
+                                             import_timeout_s=dataset_cfg.reward_import_timeout_s)
         return Data(train=with_prompts(train, instruction), eval={dataset_cfg.name: with_prompts(held_out, instruction)})
     if dataset_cfg.kind == "reasoning_gym":  # reasoning-gym's tasks by name: one held-out set per task
         from fgrpo.tasks.reasoning_gym import reasoning_gym_problems
@@ -345,7 +347,7 @@ def learner_settings(cfg: DictConfig) -> LearnerSettings:
 def advantage_settings(cfg: DictConfig) -> AdvantageSettings:
     """The advantage method and the values of the parameters it declares (``focal.gamma`` where it takes gamma)."""
     method = advantage_method_of(cfg.advantage.name)
-    params = {name: cfg.focal.gamma if method.key(name) == GAMMA_KEY else cfg.advantage.get(name, param.default)
+    params = {name: cfg.focal.gamma if method.key(name) == GAMMA_KEY else configured(cfg.advantage, name, param)
               for name, param in method.params.items()}
     return AdvantageSettings(cfg.advantage.name, **params)
 

@@ -14,7 +14,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from fgrpo.algorithm.advantage_methods import methods
-from fgrpo.algorithm.advantage_registry import GAMMA_KEY, AdvantageMethod, declare
+from fgrpo.algorithm.advantage_registry import GAMMA_KEY, AdvantageMethod, configured, declare
+from fgrpo.algorithm.user_method import user_method_problem
 from fgrpo.config import Config, advantage_node, learning_rate
 from fgrpo.infra.errors import ConfigError
 from fgrpo.infra.user_code import is_import_path, load_function
@@ -149,17 +150,22 @@ def _check_advantage(cfg, need) -> None:
     except ConfigError as error:
         need(False, "advantage.name", adv.name, str(error).split(": ", 1)[1])
         return
+    values, ranges_ok = {}, True
     for param_name, param in method.params.items():
         key = method.key(param_name)
-        value = cfg.get("focal", {}).get("gamma", 0.0) if key == GAMMA_KEY else adv.get(param_name, param.default)
+        value = cfg.get("focal", {}).get("gamma", 0.0) if key == GAMMA_KEY else configured(adv, param_name, param)
         problem = param.problem(value, lambda bound: _select(cfg, bound))
         need(problem is None, key, value, problem or "")
+        values[param_name], ranges_ok = value, ranges_ok and problem is None
+    if is_import_path(adv.name) and ranges_ok:  # a user's: its signature and a call on a small synthetic batch
+        problem = user_method_problem(method, values, cfg.algo.group_size)
+        need(problem is None, "advantage.name", adv.name, problem or "")
     if all(method.key(p) != GAMMA_KEY for p in method.params):
         need(cfg.focal.gamma == 0, "focal.gamma", cfg.focal.gamma,
              f"weights advantage=focal only: use advantage=focal, or focal.gamma=0 with advantage={adv.name}")
-    schema = set(advantage_node())  # the built-in methods' keys, always there
+    schema = set(advantage_node())  # the built-in methods' keys, always there (null where unset)
     for key in adv:
-        need(key in schema or key in method.params, f"advantage.{key}", adv[key],
+        need(key in schema or key in method.params or adv[key] is None, f"advantage.{key}", adv[key],
              f"is not a parameter of advantage={adv.name} (its parameters: {sorted(method.params) or 'none'})")
     # these read the 0/1 verdicts (or need rewards >= 0): DAPO's overlong penalty would be ignored or break them
     need(not (cfg.algo.overlong_shaping and not method.shaped_rewards), "algo.overlong_shaping", True,
@@ -218,6 +224,8 @@ def _check_dataset(dataset, need, problems: list[str]) -> None:
              "dataset.kind=generator needs the function that makes the rows: dataset.generator=\"my_task.py:generate\"")
         need(dataset.generator_args is None or hasattr(dataset.generator_args, "keys"), "dataset.generator_args",
              dataset.generator_args, "must be the generator's keyword arguments, e.g. {seed: 0, count: 200}")
+        need(0 < dataset.generator_timeout_s < math.inf, "dataset.generator_timeout_s", dataset.generator_timeout_s,
+             "must be a finite number of seconds > 0 (the generator's time limit, e.g. 300)")
         need(dataset.generator_n_eval >= 1, "dataset.generator_n_eval", dataset.generator_n_eval,
              "must be >= 1 (rows held out for evaluation)")
 

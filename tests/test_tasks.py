@@ -49,6 +49,12 @@ def needs_target(completion, target):
 
 def always_raises(completion):
     raise RuntimeError("this reward function has a bug")
+
+def exits_on_rank_1(count):
+    import os, sys
+    if os.environ.get("RANK") == "1":
+        sys.exit(1)
+    return [{"question": f"{i} + 1?", "answer": i + 1} for i in range(count)]
 '''
 
 
@@ -156,6 +162,15 @@ def test_ranks_that_generate_other_rows_stop_before_the_model_loads(tmp_path, ta
     assert done.returncode != 0
     assert done.stderr.count("error: ranks [1] loaded other problems than rank 0") == 1, done.stderr[-3000:]
     assert "exitcode  : 2" in done.stderr
+
+
+def test_a_generator_exiting_on_rank_1_stops_both_ranks_with_one_error(tmp_path, task_file):
+    done = torchrun("model=tiny_random", *HF, "dataset.kind=generator", f"dataset.generator={task_file}:exits_on_rank_1",
+                    "dataset.generator_args={count: 20}", "dataset.generator_n_eval=4", cwd=tmp_path)
+    assert done.returncode != 0
+    assert done.stderr.count("error: dataset.generator=") == 1, done.stderr[-3000:]  # rank 0 says rank 1's error
+    assert "SystemExit: 1" in done.stderr and "exitcode  : 2" in done.stderr
+    assert not list(tmp_path.glob("outputs/*/*/metrics.jsonl"))
 
 
 def test_the_countdown_example_trains(tmp_path):

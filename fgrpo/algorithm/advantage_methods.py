@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["dr_grpo", "focal", "maxrl", "mean_focal", "mean_focal_weight", "passk", "unlikeliness", "w_reinforce",
-           "methods", "AdvantageSettings", "method_label", "compute_advantages"]
+           "methods", "AdvantageSettings", "AdvantageError", "method_label", "compute_advantages", "advantages_problem"]
 
 
 @advantage_method("focal", label="gamma",
@@ -221,5 +221,32 @@ def compute_advantages(rewards, correct, settings: AdvantageSettings, seq_logp=N
                          "pass one verdict per sample")
     correct = correct.to(rewards.dtype)
     if known.needs_step:
-        return known.fn(rewards, correct, settings, seq_logp, step_correct=step_correct)
-    return known.fn(rewards, correct, settings, seq_logp)
+        advantages = known.fn(rewards, correct, settings, seq_logp, step_correct=step_correct)
+    else:
+        advantages = known.fn(rewards, correct, settings, seq_logp)
+    problem = advantages_problem(advantages, rewards)
+    if problem:
+        raise AdvantageError(f"advantage method {settings.method!r} {problem}: every method returns a finite [P, G] "
+                             f"tensor of the rewards' dtype (here [{', '.join(map(str, rewards.shape))}], "
+                             f"{str(rewards.dtype).replace('torch.', '')})")
+    return advantages
+
+
+class AdvantageError(ValueError):
+    """An advantage method returned something the loss cannot use (its shape, dtype or a NaN): its own fault, named,
+    rather than a non-finite gradient blamed on the learning rate."""
+
+
+def advantages_problem(advantages: Any, rewards: torch.Tensor) -> str | None:
+    """What is wrong with ``advantages`` for ``rewards`` ``[P, G]``, or None."""
+    import torch
+
+    if not isinstance(advantages, torch.Tensor):
+        return f"returned a {type(advantages).__name__}, not a tensor"
+    if advantages.shape != rewards.shape:
+        return f"returned shape [{', '.join(map(str, advantages.shape))}]"
+    if advantages.dtype != rewards.dtype:
+        return f"returned dtype {str(advantages.dtype).replace('torch.', '')}"
+    if not bool(torch.isfinite(advantages).all()):
+        return f"returned {int((~torch.isfinite(advantages)).sum())} non-finite values (NaN or infinity)"
+    return None

@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["Param", "AdvantageMethod", "advantage_method", "declare", "declared", "REFERENCE", "GAMMA_KEY"]
+__all__ = ["Param", "AdvantageMethod", "advantage_method", "declare", "declared", "configured", "REFERENCE",
+           "GAMMA_KEY"]
 
 REFERENCE = "focal"  # at gamma 0 the plain GRPO / DAPO / CISPO advantage: the reference of every comparison
 GAMMA_KEY = "focal.gamma"  # the focal exponent lives in its own group (focal=baseline|fgrpo)
@@ -84,6 +85,13 @@ class AdvantageMethod:
 
 
 _DECLARED: dict[str, AdvantageMethod] = {}
+
+
+def configured(node: Any, name: str, param: Param) -> Any:
+    """The value of parameter ``name`` in the config's ``advantage`` node: the one set there, else (absent, or null:
+    unset) the method's declared default."""
+    value = node.get(name) if hasattr(node, "get") else None
+    return param.default if value is None else value
 
 
 def advantage_method(name: str | None = None, *, params: Mapping[str, Param] | None = None, label: str | None = None,

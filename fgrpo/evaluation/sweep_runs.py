@@ -53,9 +53,10 @@ class Run:
         declared = methods().get(name)
         if declared is None:  # a user's method, by import path: every parameter it was given
             params = {key.split(".", 1)[1]: value for key, value in self.config.items()
-                      if key.startswith("advantage.") and key != "advantage.name"}
+                      if key.startswith("advantage.") and key != "advantage.name" and value is not None}
         else:
-            params = {key: self.config.get(declared.key(key), param.default) for key, param in declared.params.items()}
+            params = {key: param.default if self.config.get(declared.key(key)) is None
+                      else self.config[declared.key(key)] for key, param in declared.params.items()}
         return method_label(name, params, with_gamma=False)
 
     @property

@@ -138,41 +138,20 @@ def arithmetic_problems(
 # --- a user's generator ----------------------------------------------------------------------
 
 
-def generated_problems(spec: str, args: Mapping[str, Any], *, name: str, n_eval: int,
-                       fmt: RowFormat) -> tuple[list[Problem], list[Problem]]:
-    """The rows of a user's generator (``dataset.generator``: ``"file.py:function"``, called in this process with
-    ``dataset.generator_args`` bound by parameter name), split (train, eval): the first ``n_eval`` rows
-    (``dataset.generator_n_eval``) are held out.
+def generated_problems(spec: str, args: Mapping[str, Any], *, name: str, n_eval: int, fmt: RowFormat,
+                       timeout_s: float = 300.0, import_timeout_s: float = 120.0) -> tuple[list[Problem], list[Problem]]:
+    """The rows of a user's generator (``dataset.generator``: ``"file.py:function"``, called in a worker process with
+    ``dataset.generator_args`` bound by parameter name, within ``timeout_s``: :mod:`fgrpo.rollout.generate`), split
+    (train, eval): the first ``n_eval`` rows (``dataset.generator_n_eval``) are held out.
     Ids are ``<name>/train/<i>`` and ``<name>/<i>``; both splits have source ``name``.
 
     Raises:
         ConfigError: the function cannot be loaded, or its parameters and ``args`` do not match.
-        DataError: it raised, returned no list of dicts, or too few rows for ``n_eval``.
+        DataError: it raised, exited, hung, returned no list of dicts, or too few rows for ``n_eval``.
     """
-    from fgrpo.infra.user_code import load_function
-    from fgrpo.rewards.binding import bind
+    from fgrpo.rollout.generate import generate_rows
 
-    fn = load_function(spec, "dataset.generator")
-    binding = bind(fn)
-    args = dict(args or {})
-    unknown = [key for key in args if key not in binding.params]
-    missing = [param for param in binding.params if param not in args and param not in binding.with_defaults]
-    problems = []
-    if unknown and not binding.takes_kwargs:
-        problems.append(f"dataset.generator_args has {unknown}, which it does not take")
-    if missing:
-        problems.append(f"no value for {missing}: set dataset.generator_args.{missing[0]}=...")
-    if binding.positional_only:
-        problems.append(f"its positional-only parameters {list(binding.positional_only)} cannot be given by name")
-    if problems:
-        raise ConfigError(f"dataset.generator={spec!r} takes ({', '.join(binding.params)}): " + "; ".join(problems))
-    try:
-        rows = list(fn(**args))
-    except Exception as error:  # noqa: BLE001 - the user's generator raised: say where
-        import traceback
-
-        text = "".join(traceback.format_exception(error)[-6:])
-        raise DataError(f"dataset.generator={spec!r} raised:\n{text}") from error
+    rows = generate_rows(spec, args or {}, timeout_s=timeout_s, import_timeout_s=import_timeout_s)
     n_eval = _check_int("dataset.generator_n_eval", n_eval, minimum=1)
     if len(rows) <= n_eval:
         raise DataError(f"dataset.generator={spec!r} made {len(rows)} rows, which leaves none for training after "

@@ -35,7 +35,8 @@ def constant_push(rewards, correct, settings, seq_logp=None):
 def test_the_schema_and_its_defaults_come_from_the_declarations(compose):
     from fgrpo.config import advantage_node
 
-    assert advantage_node() == {"name": "???", "lam": 0.1, "beta": 0.25, "k": 4}  # gamma is focal.gamma's: its group
+    # unset (null: the chosen method's own default); gamma is focal.gamma's: its group
+    assert advantage_node() == {"name": "???", "lam": None, "beta": None, "k": None}
     assert compose("advantage=passk").advantage.k == 4 and compose("advantage=passk", "advantage.k=2").advantage.k == 2
     with pytest.raises(Exception, match="advantage.lamm"):  # a misspelt key fails at start with Hydra's message
         compose("advantage.lamm=0.5")

@@ -73,6 +73,18 @@ def make(seed, count, largest=9):
 
 def broken(seed):
     raise RuntimeError("no rows today")
+
+def hangs(seed):
+    import time
+    time.sleep(3600)
+
+def exits(seed):
+    import sys
+    sys.exit(4)
+
+def dies(seed):
+    import os
+    os._exit(0)
 """
 
 
@@ -91,6 +103,20 @@ def test_a_generator_by_path_is_seeded_and_split(tmp_path):
         generated_problems(spec, {"seed": 3, "count": 10}, name="sums", n_eval=10, fmt=RowFormat())
     with pytest.raises(DataError, match="(?s)raised:.*RuntimeError: no rows today"):
         generated_problems(f"{tmp_path / 'gen.py'}:broken", {"seed": 1}, name="s", n_eval=1, fmt=RowFormat())
+
+
+def test_a_generator_runs_in_a_worker_so_its_faults_come_back_as_one_error(tmp_path):
+    (tmp_path / "gen.py").write_text(GENERATOR + "\nimport os\nTOP_LEVEL_PID = os.getpid()\n")
+    spec = f"{tmp_path / 'gen.py'}:"
+    with pytest.raises(DataError, match=r"hangs' ran past its time limit \(dataset.generator_timeout_s=0.5\)"):
+        generated_problems(spec + "hangs", {"seed": 1}, name="s", n_eval=1, fmt=RowFormat(), timeout_s=0.5)
+    with pytest.raises(DataError, match="(?s)exits' raised:.*SystemExit: 4"):
+        generated_problems(spec + "exits", {"seed": 1}, name="s", n_eval=1, fmt=RowFormat())
+    with pytest.raises(DataError, match=r"dies' ended its process \(ended by the function \(os._exit\(0\)\)\)"):
+        generated_problems(spec + "dies", {"seed": 1}, name="s", n_eval=1, fmt=RowFormat())
+    import sys
+
+    assert not any(name.startswith("fgrpo_user_gen") for name in sys.modules)  # its top level never ran here
 
 
 def test_load_data_reads_a_generator_from_the_config(compose, tmp_path):
