@@ -19,6 +19,7 @@ from math import comb
 from typing import TYPE_CHECKING, Any, Mapping
 
 from fgrpo.algorithm.advantage_registry import GAMMA_KEY, AdvantageMethod, Param, advantage_method, declared
+from fgrpo.infra.errors import AdvantageError
 
 if TYPE_CHECKING:
     import torch
@@ -230,11 +231,6 @@ def compute_advantages(rewards, correct, settings: AdvantageSettings, seq_logp=N
                              f"tensor of the rewards' dtype (here [{', '.join(map(str, rewards.shape))}], "
                              f"{str(rewards.dtype).replace('torch.', '')})")
     return advantages
-
-
-class AdvantageError(ValueError):
-    """An advantage method returned something the loss cannot use (its shape, dtype or a NaN): its own fault, named,
-    rather than a non-finite gradient blamed on the learning rate."""
 
 
 def advantages_problem(advantages: Any, rewards: torch.Tensor) -> str | None:

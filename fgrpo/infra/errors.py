@@ -32,5 +32,11 @@ class RewardError(RuntimeError):
     to fix before a run can learn anything, not a fault to count."""
 
 
+class AdvantageError(ValueError):
+    """An advantage method returned something the loss cannot use (its shape, dtype or a NaN): its own fault, named,
+    rather than a non-finite gradient blamed on the learning rate."""
+
+
 # the one list every entry point catches (and the sweeper shows without a traceback)
-BAD_INPUT = (ConfigError, DataError, ModelSourceError, SamplerUnavailable, CheckpointError, CompareError, RewardError)
+BAD_INPUT = (ConfigError, DataError, ModelSourceError, SamplerUnavailable, CheckpointError, CompareError, RewardError,
+             AdvantageError)

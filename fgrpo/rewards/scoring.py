@@ -38,14 +38,15 @@ STOP_AFTER = 16
 
 
 def user_code_workers(cores: int | None = None) -> int:
-    """``dataset.reward_workers=auto`` where a user's function runs: twice this rank's share of the cores, at least 4,
-    at most 16. More than the cores, since a call waiting (on a lock, a server, its time limit) takes no core, and a
-    worker on a hung call holds only its own slot: with 4 on 2 cores a call hanging on 1 sample in 8 costs a 64-sample
-    batch two time limits, not eight (docs/tasks.md has the measured costs)."""
+    """``dataset.reward_workers=auto`` where a user's function runs: twice this rank's share of the cores, at least 8,
+    at most 16 (a worker is about 35 MB). More than the cores, since a call waiting (on a lock, a server, its time
+    limit) takes no core, and a worker on a hung call holds only its own slot: with 8 workers a function hanging on 1
+    sample in 8 costs a 64-sample batch about one time limit; with one worker it cost eight (docs/tasks.md has the
+    measured costs)."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return max(4, min(16, 2 * max(1, cores)))
+    return max(8, min(16, 2 * max(1, cores)))
 
 
 @dataclass

@@ -4,6 +4,8 @@ tests/children/sharded_collectives.py OUT_PREFIX`` writes ``OUT_PREFIX.<rank>.js
 - ``agree``: rank 1's check fails (a ConfigError); both ranks raise it, with rank 1's message.
 - DAPO dynamic sampling over ranks: rank 0's draws have mixed groups, rank 1's none; the count kept is the run's.
 - evaluation: 5 problems over 2 ranks (padded to 3 each), every rank gets the 5 counts in order.
+- tensor parallel 2 (one engine over both ranks, the same draw on each): each rank scores half the samples, in a
+  worker that reports the rank it serves, and both get every score.
 """
 
 import json
@@ -20,7 +22,10 @@ from fgrpo.rollout.data import Problem  # noqa: E402
 from fgrpo.evaluation.held_out import evaluate  # noqa: E402
 from fgrpo.rewards.entries import reward_entries  # noqa: E402
 from fgrpo.rewards.scoring import Scorer  # noqa: E402
-from fgrpo.rollout.rollouts import Groups, ProblemStream, collect_groups  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+from fgrpo.rewards.binding import sample_view  # noqa: E402
+from fgrpo.rollout.rollouts import Groups, ProblemStream, collect_groups, score_engine_draw  # noqa: E402
 from fgrpo.rollout.samplers import Completion  # noqa: E402
 
 
@@ -61,6 +66,16 @@ def main(out_prefix: str) -> None:
                           n_samples=4, max_problems=5, max_new_tokens=1, temperature=1.0, top_p=1.0, seed=0,
                           ranks=ranks)
     seen["pass@1"] = metrics["eval/pass@1"]
+
+    reward = Path(f"{out_prefix}.reward{ranks.rank}.py")
+    reward.write_text("import os\ndef which_rank(completion):\n    return float(os.environ['RANK'])\n")
+    scorer = Scorer(reward_entries([{"fn": f"{reward}:which_rank"}]), workers=1)
+    scorer.describe()
+    views = [sample_view(completion=str(i), completion_ids=[i], prompt="q", answer="1", source="toy", fields={},
+                         timeout_s=5.0) for i in range(6)]
+    seen["tensor_parallel_scores"] = score_engine_draw(scorer, views, list(range(6)),
+                                                       replace(ranks, tensor_parallel=2)).rewards
+    scorer.close()
     Path(f"{out_prefix}.{ranks.rank}.json").write_text(json.dumps(seen))
     distributed.close()
 

@@ -124,6 +124,8 @@ def test_the_loops_collectives_on_two_ranks(tmp_path):
     assert (rank0["dynamic_kept"], rank1["dynamic_kept"]) == (4, 0)
     # 5 problems with 0..4 of 4 samples correct, split 3 + 2 (the last repeated on rank 1 and dropped)
     assert rank0["pass@1"] == rank1["pass@1"] == pytest.approx(0.5)
+    # one engine over both ranks: rank 0 scored samples 0-2, rank 1 samples 3-5, each rank holds all six
+    assert rank0["tensor_parallel_scores"] == rank1["tensor_parallel_scores"] == [0.0] * 3 + [1.0] * 3
 
 
 @pytest.mark.slow

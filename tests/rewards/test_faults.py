@@ -176,3 +176,29 @@ def test_a_reward_drawing_random_numbers_scores_the_same_on_a_rerun(reward_file)
 
     first, again, other = scores(list(range(6))), scores(list(range(6))), scores(list(range(100, 106)))
     assert first == again and first != other and len(set(first)) == 6
+
+
+def test_a_worker_is_replaced_after_its_calls_when_asked(reward_file):
+    made = scorer(reward_file, "exits", workers=1, max_calls=2)
+    try:
+        made.score(views(["ok"]))  # the Describe and this call: the first worker's two
+        first = set(made.pool.pids)
+        batch = made.score(views(["ok", "ok"]))
+        second = set(made.pool.pids)
+    finally:
+        made.close()
+    assert batch.rewards == [1.0, 1.0] and batch.errors == 0 and made.pool.worker_deaths == 0
+    assert first and second and first != second
+
+
+def test_imports_past_their_limit_name_the_entry_and_the_key(tmp_path):
+    from fgrpo.infra.errors import ConfigError
+
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(30)\ndef score(completion):\n    return 1.0\n")
+    made = Scorer(reward_entries([{"fn": f"{tmp_path / 'slow_import.py'}:score"}]), workers=1, import_timeout_s=1.0)
+    try:
+        with pytest.raises(ConfigError, match=r"did not finish importing dataset.rewards\[0\].fn=.*slow_import.py:score"
+                                              r".* within dataset.reward_import_timeout_s=1 s"):
+            made.describe()
+    finally:
+        made.close()
