@@ -125,7 +125,7 @@ class DatasetConfig:
     kind: str = "arithmetic"
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig(fn="numeric")])
     reward_timeout_s: float = 5.0  # each call's time limit (a batch function's: this per sample)
-    # processes running the reward functions: auto = a user's function: 2 x this rank's cores, 4 to 16 (calls that
+    # processes running the reward functions: auto = a user's function: 2 x this rank's cores, 8 to 16 (calls that
     # wait take no core); fgrpo's math check alone: min(8, cores - 1), in the trainer with 1
     reward_workers: Any = "auto"
     reward_memory_gib: Optional[float] = 4.0  # each worker's cap over its imports (null: none); past it the worker ends

@@ -133,7 +133,8 @@ def advantage_method_of(name: str) -> AdvantageMethod:
     if name in known:
         return known[name]
     if not is_import_path(name):
-        raise ConfigError(f"advantage.name={name!r}: must be one of {tuple(known)} (advantage=<name>), or a function "
+        own = tuple(n for n, m in known.items() if getattr(m.fn, "__module__", "").startswith("fgrpo."))
+        raise ConfigError(f"advantage.name={name!r}: must be one of {own} (advantage=<name>), or a function "
                           "of yours by import path (advantage.name=\"my_adv.py:my_method\", docs/tasks.md)")
     fn = load_function(name, "advantage.name")
     method = getattr(fn, "advantage_method", None) or AdvantageMethod(name, fn)

