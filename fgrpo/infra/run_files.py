@@ -130,17 +130,37 @@ def upgraded_config(saved: dict) -> dict:
     """A config saved by an older fgrpo in today's keys: ``dataset.verifier: <kind>`` (before 2026-12-01) is the
     one-entry ``dataset.rewards`` list of that built-in check, ``verifier_timeout_s`` and ``verifier_workers`` are
     ``reward_timeout_s`` and ``reward_workers``; an unset ``trainer.lr`` without LoRA is the 1e-5 it meant then (the
-    LoRA default has not moved)."""
+    LoRA default has not moved); a reward entry without ``kwargs`` (before 2026-12-03) has none; and an ``advantage``
+    parameter of a built-in method other than the one the run chose is unset (before 2026-12-03 every built-in
+    method's parameters were saved with their defaults, used or not)."""
     trainer = saved.get("trainer") or {}
     lora_rank = ((saved.get("model") or {}).get("lora") or {}).get("rank")
     if "lr" in trainer and trainer["lr"] is None and lora_rank is None:
         saved = {**saved, "trainer": {**trainer, "lr": LR_UNSET_BEFORE_2026_12_01}}
+    saved = _unused_advantage_params_unset(saved)
     dataset = dict(saved.get("dataset") or {})
-    if "verifier" not in dataset:
+    if "verifier" in dataset:
+        dataset["rewards"] = [{"fn": dataset.pop("verifier"), "name": None, "weight": 1.0, "verdict": False,
+                               "threshold": 1.0}]
+        for old, new in (("verifier_timeout_s", "reward_timeout_s"), ("verifier_workers", "reward_workers")):
+            if old in dataset:
+                dataset[new] = dataset.pop(old)
+    if isinstance(dataset.get("rewards"), list):
+        dataset["rewards"] = [{**entry, "kwargs": entry.get("kwargs")} if isinstance(entry, dict) else entry
+                              for entry in dataset["rewards"]]
+    return {**saved, "dataset": dataset} if dataset else saved
+
+
+def _unused_advantage_params_unset(saved: dict) -> dict:
+    advantage = saved.get("advantage")
+    if not isinstance(advantage, dict):
         return saved
-    dataset["rewards"] = [{"fn": dataset.pop("verifier"), "name": None, "weight": 1.0, "verdict": False,
-                           "threshold": 1.0}]
-    for old, new in (("verifier_timeout_s", "reward_timeout_s"), ("verifier_workers", "reward_workers")):
-        if old in dataset:
-            dataset[new] = dataset.pop(old)
-    return {**saved, "dataset": dataset}
+    from fgrpo.algorithm.advantage_methods import methods
+
+    known = methods()
+    chosen = known.get(advantage.get("name"))
+    if chosen is None:  # a user's method by path: what it was given is what it ran with
+        return saved
+    built_in = {param for method in known.values() for param in method.params}
+    unset = {key: None for key in advantage if key in built_in and key not in chosen.params}
+    return {**saved, "advantage": {**advantage, **unset}}

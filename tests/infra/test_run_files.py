@@ -32,15 +32,20 @@ def test_a_config_saved_before_reward_functions_reads_in_todays_keys():
     old = {"seed": 0, "dataset": {"name": "arithmetic", "verifier": "numeric", "verifier_timeout_s": 5.0,
                                   "verifier_workers": "auto"}}
     new = {"seed": 0, "dataset": {"name": "arithmetic", "rewards": [{"fn": "numeric", "name": None, "weight": 1.0,
-                                                                     "verdict": False, "threshold": 1.0}],
+                                                                     "verdict": False, "threshold": 1.0,
+                                                                     "kwargs": None}],
                                   "reward_timeout_s": 5.0, "reward_workers": "auto", "prompt_template": None}}
     assert upgraded_config(old)["dataset"] == {k: v for k, v in new["dataset"].items() if k != "prompt_template"}
     assert experiment_differences(old, new) == []  # a checkpoint of an older run resumes
     changed = {**new, "dataset": {**new["dataset"], "rewards": [{**new["dataset"]["rewards"][0], "fn": "math"}]}}
     assert experiment_differences(old, changed) == [
-        "dataset.rewards: [{'fn': 'numeric', 'name': None, 'weight': 1.0, 'verdict': False, 'threshold': 1.0}] -> "
-        "[{'fn': 'math', 'name': None, 'weight': 1.0, 'verdict': False, 'threshold': 1.0}]"]
-    assert upgraded_config(new) is new
+        "dataset.rewards: [{'fn': 'numeric', 'name': None, 'weight': 1.0, 'verdict': False, 'threshold': 1.0, "
+        "'kwargs': None}] -> [{'fn': 'math', 'name': None, 'weight': 1.0, 'verdict': False, 'threshold': 1.0, "
+        "'kwargs': None}]"]
+    assert upgraded_config(new) == new
+    # before 2026-12-03 every built-in method's parameters were saved, used or not: only the chosen one's count
+    saved = {"advantage": {"name": "passk", "k": 2, "beta": 0.25, "lam": 0.1}}
+    assert upgraded_config(saved)["advantage"] == {"name": "passk", "k": 2, "beta": None, "lam": None}
 
 
 def test_an_unset_lr_saved_before_2026_12_01_is_the_1e_5_it_meant():
