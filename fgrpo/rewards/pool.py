@@ -387,9 +387,10 @@ class WorkerPool:
         rounds = math.ceil(len(futures) / self.workers)
         deadline = started + self.startup_limit_s + rounds * (longest_s + self.stuck_margin_s)
         pending, done = set(futures), set()
+        place = {future: index for index, future in enumerate(futures)}  # hand over in the tasks' order
         while pending and not stop():
             finished, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
-            for future in sorted(finished, key=futures.index):
+            for future in sorted(finished, key=place.__getitem__):
                 done.add(future)
                 take(future)
             if not self._pool.active:  # pebble gave up: what it finished is taken, the rest goes to a new pool
