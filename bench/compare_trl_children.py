@@ -261,7 +261,7 @@ def child_trl(spec: dict) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    from fgrpo.infra.user_code import load_function
+    from fgrpo.user_code.loading import load_function
     from fgrpo.learner.model import resolve_model_folder
     from fgrpo.rewards.entries import reward_entries
 

@@ -18,7 +18,7 @@ from fgrpo.algorithm.advantage_registry import GAMMA_KEY, AdvantageMethod, confi
 from fgrpo.algorithm.user_method import user_method_problem
 from fgrpo.config import Config, advantage_node, learning_rate
 from fgrpo.infra.errors import ConfigError
-from fgrpo.infra.user_code import is_import_path, load_function
+from fgrpo.user_code.loading import is_import_path, load_function
 
 __all__ = ["validate", "validate_layout", "advantage_method_of", "smallest_kept_lr", "TYPICAL_WEIGHT"]
 
@@ -186,7 +186,7 @@ def _check_dataset(dataset, need, problems: list[str]) -> None:
     """``dataset.*``: its kind, the reward functions (fgrpo.rewards.entries; their files must exist), the pool, the
     prompt's template or messages, a generator."""
     from fgrpo.rewards.entries import reward_entries
-    from fgrpo.rewards.pool import AUTO_WORKERS
+    from fgrpo.user_code.pool import AUTO_WORKERS
     from fgrpo.rollout.data import DATASET_KINDS
     from fgrpo.rollout.rows import template_fields
 

@@ -38,7 +38,7 @@ def _synthetic_call_problem(method: AdvantageMethod, params: dict, group_size: i
     import torch
 
     from fgrpo.algorithm.advantage_methods import AdvantageError, AdvantageSettings, compute_advantages
-    from fgrpo.rewards.time_limit import TimeLimitExceeded, run_with_time_limit
+    from fgrpo.user_code.time_limit import TimeLimitExceeded, run_with_time_limit
 
     group = max(2, group_size)
     generator = torch.Generator().manual_seed(0)

@@ -19,7 +19,7 @@ import logging
 import re
 from fractions import Fraction
 
-from fgrpo.rewards.time_limit import TimeLimitExceeded, check_timeout, run_with_time_limit
+from fgrpo.user_code.time_limit import TimeLimitExceeded, check_timeout, run_with_time_limit
 
 __all__ = ["SCAN_CHARS", "extract_answer", "verify_numeric", "verify_math", "check_timeout"]
 
@@ -198,7 +198,7 @@ def verify_math(completion: str, answer: str, timeout_s: float = 5.0) -> float:
     asynchronous exception instead: that stops Python-level work (sympy's simplification,
     factorials) but not a single C call that holds the GIL, such as that power, which then runs
     until it ends or memory runs out. For a hard bound, call this from the main thread of this
-    process or of worker processes (the reward pool, :mod:`fgrpo.rewards.pool`, calls it in each
+    process or of worker processes (the reward pool, :mod:`fgrpo.user_code.pool`, calls it in each
     worker's main thread).
 
     Raises:

@@ -22,18 +22,15 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
-import os
-import random
-import sys
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from fgrpo.infra.errors import ConfigError
-from fgrpo.infra.user_code import load_function
+from fgrpo.user_code.loading import load_function
 from fgrpo.rewards.binding import Binding, TrainerState, arguments, batch_arguments, bind
-from fgrpo.rewards.time_limit import TimeLimitExceeded, run_with_time_limit
-from fgrpo.rewards.worker import end_if_over_memory
+from fgrpo.user_code.running import (await_result, call_bounded, in_worker, raised_text, seed_call, user_faults,
+                                     user_traceback)
+from fgrpo.user_code.time_limit import TimeLimitExceeded, run_with_time_limit
 
 __all__ = ["Scored", "Failed", "Outcome", "Call", "CallResult", "Describe", "run_task", "outcome_of", "load",
            "warm_up", "in_worker"]
@@ -78,6 +75,9 @@ class Call:
     state: TrainerState | None = None  # TRL's trainer_state
     seed: int | None = None  # random (numpy's, torch's where imported) seeded with it before the call
 
+    def run(self) -> CallResult:
+        return run_task(self)
+
 
 @dataclass(frozen=True)
 class CallResult:
@@ -94,14 +94,11 @@ class Describe:
     target: str
     key: str
 
+    def run(self) -> Binding | str:
+        return run_task(self)
+
 
 _loaded: dict[str, tuple[Callable, Binding]] = {}
-_worker = {"on": False}  # set in a worker of the reward pool: there any exception of the user's is the call's failure
-
-
-def in_worker() -> None:
-    """Mark this process a reward worker (:mod:`fgrpo.rewards.worker` does at start)."""
-    _worker["on"] = True
 
 
 def load(target: str, key: str) -> tuple[Callable, Binding]:
@@ -143,7 +140,7 @@ def run_task(request: Call | Describe) -> CallResult | Binding | str:
     log = _CallLog(len(request.views), request.batch or len(request.views) > 1)
     try:
         fn, binding = load(request.target, request.key)
-        _seed(request.seed)
+        seed_call(request.seed)
         per_call = {**request.kwargs, **log.names(binding, request.state)}
         if request.batch:
             outcomes = _batch_call(fn, binding, request, per_call)
@@ -194,62 +191,9 @@ class _CallLog:
         return kept
 
 
-def _seed(seed: int | None) -> None:
-    """Seed the generators a reward may draw from (``random``; numpy's and torch's where the process imported them):
-    the same call gets the same draws on a rerun, whichever worker takes it."""
-    if seed is None:
-        return
-    random.seed(seed)
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed(seed % 2 ** 32)
-    if "torch" in sys.modules:
-        sys.modules["torch"].manual_seed(seed)
-
-
-_loop: dict[str, asyncio.AbstractEventLoop] = {}
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """This process's event loop, made once and kept (a lock, semaphore or client made at import binds to it)."""
-    loop = _loop.get("loop")
-    if loop is None or loop.is_closed():
-        loop = _loop["loop"] = asyncio.new_event_loop()
-    return loop
-
-
-def _await(awaitable) -> Any:
-    """Run ``awaitable`` to its end on this process's loop; on an interruption (the time limit) its task is
-    cancelled and given a moment to end, so that the next call starts on a loop with nothing of this one left."""
-    loop = _event_loop()
-    task = asyncio.ensure_future(awaitable, loop=loop)
-    try:
-        return loop.run_until_complete(task)
-    except BaseException:
-        task.cancel()
-        try:
-            loop.run_until_complete(asyncio.wait([task], timeout=1.0))
-        except BaseException:  # noqa: BLE001 - a task that will not end: the loop is replaced
-            loop.close()
-        raise
-
-
 def _invoke(fn: Callable, kwargs: dict, request: Call) -> Any:
     """``fn(**kwargs)``, awaited when it is a coroutine, bounded by the call's time limit."""
-
-    def call():
-        result = fn(**kwargs)
-        return _await(result) if asyncio.iscoroutine(result) or asyncio.isfuture(result) else result
-
-    return call() if request.bounds_itself else run_with_time_limit(call, request.time_limit_s)
-
-
-_USER_FAULTS: tuple[type[BaseException], ...] = (Exception,)  # in the trainer: a Ctrl-C there is the user's wish
-
-
-def _user_faults() -> tuple[type[BaseException], ...]:
-    """What counts as the function's own failure: in a worker every exception (``sys.exit``, ``KeyboardInterrupt``,
-    ``CancelledError``: a worker's SIGINT is ignored, so they come from the function) except the time limit's."""
-    return (BaseException,) if _worker["on"] else _USER_FAULTS
+    return call_bounded(fn, kwargs, None if request.bounds_itself else request.time_limit_s)
 
 
 def _timeout(request: Call, samples: int = 1) -> Failed:
@@ -262,7 +206,7 @@ def _one_call(fn: Callable, kwargs: dict, request: Call) -> Outcome:
         return outcome_of(_invoke(fn, kwargs, request))
     except TimeLimitExceeded:
         return _timeout(request)
-    except _user_faults():  # the user's function raised: the sample scores 0, counted
+    except user_faults():  # the user's function raised: the sample scores 0, counted
         return _raised()
 
 
@@ -286,27 +230,14 @@ def _concurrent_calls(fn: Callable, binding: Binding, request: Call, per_call: d
         return await asyncio.gather(*(one(view) for view in request.views))
 
     try:
-        return run_with_time_limit(lambda: _await(every()), request.time_limit_s + 1.0)
+        return run_with_time_limit(lambda: await_result(every()), request.time_limit_s + 1.0)
     except TimeLimitExceeded:
         return [_timeout(request, len(request.views))] * len(request.views)
 
 
 def _raised() -> Failed:
     """The exception being handled as the call's failure (a capped worker past its memory ends here instead)."""
-    end_if_over_memory(sys.exc_info()[1])
-    return Failed("raised", user_traceback())
-
-
-def user_traceback() -> str:
-    """The exception being handled, its traceback without fgrpo's own frames (the call's wrapping): the user's code."""
-    error = traceback.TracebackException(*sys.exc_info())
-    error.stack = traceback.StackSummary.from_list(
-        [frame for frame in error.stack if not frame.filename.startswith(_FGRPO_REWARDS)
-         and "asyncio" + os.sep not in frame.filename])
-    return "".join(error.format())
-
-
-_FGRPO_REWARDS = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    return Failed("raised", raised_text())
 
 
 def _batch_call(fn: Callable, binding: Binding, request: Call, per_call: dict) -> list[Outcome]:
@@ -317,7 +248,7 @@ def _batch_call(fn: Callable, binding: Binding, request: Call, per_call: dict) -
         values = _invoke(fn, kwargs, request)
     except TimeLimitExceeded:
         return [_timeout(request, count)] * count
-    except _user_faults():
+    except user_faults():
         return [_raised()] * count
     if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
         return [Failed("value", f"a batch function (it takes completions or prompts) must return a list of "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from fgrpo.infra.errors import ConfigError
-from fgrpo.infra.user_code import function_name, is_import_path, resolve_target
+from fgrpo.user_code.loading import function_name, is_import_path, resolve_target
 
 __all__ = ["BUILTINS", "RewardEntry", "reward_entries", "verdict_entry"]
 

@@ -2,7 +2,7 @@
 samples and returns, per sample, the training reward (the weighted sum), the 0/1 verdict (one entry's), whether the
 sample is skipped (every function returned None), and each function's value.
 
-A user's function always runs in a worker of the reward pool (:class:`~fgrpo.rewards.pool.WorkerPool`, even with one
+A user's function always runs in a worker of the reward pool (:class:`~fgrpo.user_code.pool.WorkerPool`, even with one
 worker), sent by its import path; fgrpo's ``numeric`` check runs in the trainer (microseconds), its ``math`` check in
 the pool where ``dataset.reward_workers`` > 1. A call that raises, runs out of time, kills its worker or returns
 something unusable gives its samples 0 (and verdict 0): counted by function and kind (:attr:`ScoredBatch.failures`),
@@ -26,7 +26,8 @@ from fgrpo.infra.errors import ConfigError, RewardError
 from fgrpo.rewards.binding import FGRPO_NAMES, Binding, TrainerState, needed, unfilled, unknown_kwargs
 from fgrpo.rewards.calls import Call, CallResult, Describe, Failed, Outcome, run_task, warm_up
 from fgrpo.rewards.entries import RewardEntry
-from fgrpo.rewards.pool import AUTO_WORKERS, STARTUP_LIMIT_S, Fault, StartupTimeout, WorkerPool, auto_workers
+from fgrpo.user_code.running import run_request
+from fgrpo.user_code.pool import AUTO_WORKERS, STARTUP_LIMIT_S, Fault, StartupTimeout, WorkerPool, auto_workers
 
 __all__ = ["Scorer", "ScoredBatch", "FAILURE_KINDS", "user_code_workers"]
 
@@ -97,7 +98,7 @@ class Scorer:
         if workers == AUTO_WORKERS:
             workers = user_code_workers() if users else auto_workers()
         # a user's code always leaves the trainer's process; the math check alone stays in it with one worker
-        self.pool = WorkerPool(run_task, workers, timeout_s=timeout_s, warm_up=functools.partial(warm_up, targets),
+        self.pool = WorkerPool(run_request, workers, timeout_s=timeout_s, warm_up=functools.partial(warm_up, targets),
                                in_process_alone=not users, seed=hash((seed, rank)) % 2 ** 32, memory_gib=memory_gib,
                                max_calls=max_calls, startup_limit_s=import_timeout_s) if pooled else None
         self.bindings: dict[str, Binding] = {}

@@ -19,7 +19,7 @@ __all__ = ["generate_rows", "make_rows"]
 def make_rows(spec: str, args: Mapping[str, Any]) -> tuple[str, Any]:
     """In the worker: ``("rows", list)``, or ``("config", message)`` where the function cannot be loaded or its
     parameters and ``args`` do not match, ``("data", message)`` where it raised (any exception, ``sys.exit`` too)."""
-    from fgrpo.infra.user_code import load_function
+    from fgrpo.user_code.loading import load_function
     from fgrpo.rewards.binding import bind
 
     try:
@@ -58,7 +58,7 @@ def generate_rows(spec: str, args: Mapping[str, Any], *, timeout_s: float, impor
         ConfigError: it cannot be loaded, or its parameters and ``args`` do not match.
         DataError: it raised, exited, died or ran past its time limit.
     """
-    from fgrpo.rewards.pool import Fault, StartupTimeout, WorkerPool
+    from fgrpo.user_code.pool import Fault, StartupTimeout, WorkerPool
 
     with WorkerPool(make_rows, 1, timeout_s=timeout_s, stuck_margin_s=1.0, startup_limit_s=import_timeout_s) as pool:
         try:

@@ -1,5 +1,5 @@
 """Completions and answers shared by the answer-check tests (tests/rewards/test_answers.py) and the pool's
-(tests/rewards/test_pool.py)."""
+(tests/user_code/test_pool.py)."""
 
 # Sympy has to compute 10^(10^(10^10)) to compare it with anything: without a timeout this runs
 # until memory runs out.

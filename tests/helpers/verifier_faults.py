@@ -1,4 +1,4 @@
-"""Verify functions that fail on purpose, for the worker pool's tests (tests/rewards/test_pool.py).
+"""Verify functions that fail on purpose, for the worker pool's tests (tests/user_code/test_pool.py).
 
 A pool's workers import this module by name: the tests folder is on their ``sys.path``, which
 they copy from the pool's process (pytest puts the folder there).

@@ -1,5 +1,5 @@
 """fgrpo.rewards.answers: extracting the final answer, the numeric and math checks, their timeouts on pathological
-input. The pool that runs them: tests/rewards/test_pool.py; as reward entries: tests/rewards/test_scoring.py."""
+input. The pool that runs them: tests/user_code/test_pool.py; as reward entries: tests/rewards/test_scoring.py."""
 
 import json
 import signal

@@ -63,7 +63,7 @@ def test_a_call_runs_the_function_by_its_path_and_catches_what_it_does(tmp_path)
 
 
 def test_what_a_worker_imports_has_no_torch():
-    code = ("import sys, fgrpo.rewards.calls, fgrpo.rewards.pool, fgrpo.rewards.entries, run; "
+    code = ("import sys, fgrpo.rewards.calls, fgrpo.user_code.pool, fgrpo.rewards.entries, run; "
             "print(sorted({'torch', 'transformers', 'vllm', 'datasets'} & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.stdout.strip() == "[]", done.stderr[-2000:]  # run.py: the main module every spawned worker re-imports

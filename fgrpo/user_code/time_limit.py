@@ -5,7 +5,7 @@ reward pool bounds each call of a user's reward function with it (:mod:`fgrpo.re
 In the main thread the bound is a SIGALRM timer: it also stops CPython's big-integer power loop, which checks for
 signals. Signals reach only the main thread, so in other threads a watchdog thread raises an asynchronous exception
 instead: that stops Python-level work but not a single C call that holds the GIL. Where neither stops a call (C code
-that blocks SIGALRM), the reward pool's workers are killed from outside (:mod:`fgrpo.rewards.pool`).
+that blocks SIGALRM), the reward pool's workers are killed from outside (:mod:`fgrpo.user_code.pool`).
 """
 
 from __future__ import annotations

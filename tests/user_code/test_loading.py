@@ -1,9 +1,9 @@
-"""fgrpo.infra.user_code: a user's function by import path, and the errors that name the key and the fix."""
+"""fgrpo.user_code.loading: a user's function by import path, and the errors that name the key and the fix."""
 
 import pytest
 
 from fgrpo.infra.errors import ConfigError
-from fgrpo.infra.user_code import function_name, is_import_path, load_function, resolve_target
+from fgrpo.user_code.loading import function_name, is_import_path, load_function, resolve_target
 
 
 def test_a_module_path_and_a_file_path(tmp_path, monkeypatch):

@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 from pebble import ProcessExpired, ProcessPool
 
-from fgrpo.rewards.time_limit import check_timeout
-from fgrpo.rewards.worker import WORKER_SIGNALS, WorkerSetup, describe_exit, prepare_worker
+from fgrpo.user_code.time_limit import check_timeout
+from fgrpo.user_code.worker import WORKER_SIGNALS, WorkerSetup, describe_exit, prepare_worker
 
 __all__ = ["AUTO_WORKERS", "Fault", "WorkerPool", "StartupTimeout", "auto_workers", "resolve_workers"]
 
@@ -146,7 +146,7 @@ def _pebbles_own(error: BaseException) -> bool:
 
 class WorkerPool:
     """Runs ``fn(*task)`` for a batch of tasks in ``workers`` processes of a pebble ``ProcessPool``, each call in a
-    worker's main thread (where a SIGALRM time limit holds: :mod:`fgrpo.rewards.time_limit`).
+    worker's main thread (where a SIGALRM time limit holds: :mod:`fgrpo.user_code.time_limit`).
 
     Each task is a pebble task with its own time limit, so a death or a kill costs exactly the task it was on:
 

@@ -1,4 +1,4 @@
-"""fgrpo.rewards.pool: the worker pool (pebble's) with its per-task time limits, deaths, stuck workers and signals,
+"""fgrpo.user_code.pool: the worker pool (pebble's) with its per-task time limits, deaths, stuck workers and signals,
 run here on the math check (the reward functions through it: tests/rewards/test_scoring.py). The answer checks
 themselves: tests/rewards/test_answers.py."""
 
@@ -17,7 +17,7 @@ import pytest
 
 from answer_cases import MATH_CASES, POWER_TOWER
 from fgrpo.rewards.answers import verify_math
-from fgrpo.rewards.pool import Fault, WorkerPool
+from fgrpo.user_code.pool import Fault, WorkerPool
 
 
 def math_pool(verify=None, *, workers: int = 2, timeout_s: float = 2.0, **settings) -> WorkerPool:
@@ -110,7 +110,7 @@ def test_pool_gives_the_serial_verdicts_in_order_despite_timeouts_and_crashes(fa
         answers.insert(position, "1")
         serial.insert(position, 0.0)
     before = dict(faulty_pool.counters)
-    with caplog.at_level(logging.WARNING, logger="fgrpo.rewards.pool"):
+    with caplog.at_level(logging.WARNING, logger="fgrpo.user_code.pool"):
         assert verdicts(faulty_pool, completions, answers) == serial
     assert faulty_pool.worker_deaths - before["worker_deaths"] == 3  # exit, kill, segfault
     assert faulty_pool.stuck_workers_killed - before["stuck_workers_killed"] == 1  # the hang
@@ -143,7 +143,7 @@ def test_a_replacement_that_dies_while_starting_is_started_again(caplog):
         (replacement,) = set(pool.pids) - first
         os.kill(replacement, signal.SIGKILL)  # still importing math-verify
         batch = [rf"\boxed{{{n}}}" for n in range(8)]
-        with caplog.at_level(logging.WARNING, logger="fgrpo.rewards.pool"):
+        with caplog.at_level(logging.WARNING, logger="fgrpo.user_code.pool"):
             assert verdicts(pool, batch, ["3"] * 8) == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
         deadline = time.monotonic() + 60
         while len(set(pool.pids) - first - {replacement}) < 1 and time.monotonic() < deadline:
@@ -195,7 +195,7 @@ def test_workers_exit_when_the_pool_process_is_killed():
 import json, os, signal
 import functools
 from fgrpo.rewards.answers import verify_math
-from fgrpo.rewards.pool import WorkerPool
+from fgrpo.user_code.pool import WorkerPool
 pool = WorkerPool(functools.partial(verify_math, timeout_s=2.0), 2)
 pool.run([(r"\boxed{1}", "1")])
 print(json.dumps(pool.pids), flush=True)
@@ -246,7 +246,7 @@ def test_one_worker_runs_in_this_process_only_where_asked():
 @pytest.mark.parametrize("cores, ranks, expected", [(2, 1, 1), (1, 1, 1), (4, 1, 3), (64, 1, 8), (16, 4, 3),
                                                     (8, 8, 1)])
 def test_auto_workers(monkeypatch, cores, ranks, expected):
-    from fgrpo.rewards.pool import auto_workers, resolve_workers
+    from fgrpo.user_code.pool import auto_workers, resolve_workers
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
@@ -318,7 +318,7 @@ def test_a_batch_whose_pool_stops_answering_goes_to_a_new_pool(monkeypatch, capl
 
         monkeypatch.setattr(pool, "_stop", stop_then_usual_start_up_limit)
         started = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="fgrpo.rewards.pool"):
+        with caplog.at_level(logging.WARNING, logger="fgrpo.user_code.pool"):
             assert verdicts(pool, [r"\boxed{2}", r"\boxed{3}", r"\boxed{4}"], ["2", "3", "5"]) == [1.0, 1.0, 0.0]
         assert time.monotonic() - started < 30
         assert pool._pool is not stuck_pool
