@@ -147,6 +147,14 @@ class DatasetConfig:
     tasks_seed: Any = "${seed}"
     tasks_train_size: int = 1000
     tasks_eval_size: int = 40
+    # a user's environment (docs/environments.md): "my_env.py:MyEnv", TRL's environment_factory class or a text game
+    # (reset, step), one instance per episode in the user-code workers; null: single-turn samples
+    environment: Optional[str] = None
+    environment_kwargs: Any = None  # the class's constructor arguments by name (TRL's factory takes none)
+    environment_timeout_s: float = 10.0  # each call's time limit: reset, step, a tool, get_reward
+    environment_threshold: float = 1.0  # the environment's verdict where it gives no `correct`: its reward >= this
+    max_turns: int = 3  # model turns per episode (sampler.max_new_tokens: each turn's)
+    episode_max_tokens: int = 512  # tokens after the first prompt (sampled, template, observations, tool results)
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     train: Optional[DataSourceConfig] = None
     eval: list[DataSourceConfig] = field(default_factory=list)

@@ -88,7 +88,8 @@ def evaluate_model(cfg: DictConfig, out_dir: Path, *, run_name: str | None = Non
             metrics, curve, count_rows = evaluate(
                 sampler, run.data.eval, run.prompt_ids, run.scorer, n_samples=cfg.eval.n_samples,
                 max_problems=cfg.eval.max_problems, max_new_tokens=cfg.sampler.max_new_tokens,
-                temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p, seed=cfg.seed + EVAL_SEED_OFFSET)
+                temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p, seed=cfg.seed + EVAL_SEED_OFFSET,
+                environment=run.environment)
             final = _write_results(cfg, out_dir, source, run, metrics, curve, count_rows, tracker)
     finally:
         run.scorer.close()

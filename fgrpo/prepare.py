@@ -10,6 +10,7 @@ too, so that a second entry point makes them the same way.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -42,8 +43,13 @@ from fgrpo.learner.gpu_memory import fit_learner_to_gpus
 from fgrpo.learner.learner import LearnerSettings
 from fgrpo.learner.lora import lora_settings_of
 from fgrpo.learner.model import load_tokenizer, resolve_model_folder
+from fgrpo.environments.spec import DescribeEnvironment, EnvSpec, warm_up_environment
+from fgrpo.rewards.binding import EPISODE_NAMES
 from fgrpo.rewards.entries import reward_entries
+from fgrpo.user_code.loading import resolve_target
 from fgrpo.rewards.scoring import Scorer
+from fgrpo.environments.chat import Renderer
+from fgrpo.rollout.episodes import Environment
 from fgrpo.rollout.data import (Problem, RowFormat, arithmetic_problems, generated_problems, load_problems, templated,
                                 with_prompts)
 from fgrpo.rollout.samplers import (HFSampler, Sampler, VLLMSampler, check_vllm_dtype, require_vllm,
@@ -69,6 +75,7 @@ class Run:
     prompt_ids: dict[str, list[int]]
     precision: Precision
     rare_set: RareSet | None = None  # eval.rare_set, scored at each evaluation
+    environment: Environment | None = None  # dataset.environment: episodes instead of single samples
 
 
 def prepare(cfg: DictConfig, ranks: Ranks = SINGLE, *, saved_config: Path | None = None, training: bool = True,
@@ -117,7 +124,20 @@ def _prepare_checked(cfg: DictConfig, ranks: Ranks, data: Data, scorer: Scorer, 
     scorer.system_prompt = cfg.model.system_prompt
     rare_set = (distributed.agree(lambda: _checked_rare_set(cfg.eval.rare_set, len(tokenizer)))
                 if training and cfg.eval.rare_set else None)
-    return Run(data, scorer, folder, tokenizer, prompt_ids, precision, rare_set)
+    environment = environment_of(cfg, scorer, tokenizer) if scorer.environment is not None else None
+    return Run(data, scorer, folder, tokenizer, prompt_ids, precision, rare_set, environment)
+
+
+def environment_of(cfg: DictConfig, scorer: Scorer, tokenizer) -> Environment:
+    """The run's environment: its class's spec (read in check_inputs), how its episodes are rendered, its limits."""
+    ds, spec = cfg.dataset, scorer.environment
+    renderer = Renderer(tokenizer, chat=uses_chat_template(tokenizer, cfg.model), system_prompt=cfg.model.system_prompt,
+                        tools=spec.tools)
+    kwargs = to_container(ds.environment_kwargs) if ds.environment_kwargs is not None else {}
+    marked = any(bool(item.get("verdict", False)) for item in ds.rewards or [])
+    return Environment(spec, renderer, ds.max_turns, ds.episode_max_tokens, ds.environment_timeout_s,
+                       ds.environment_threshold, kwargs, verdict_from_rewards=marked,
+                       startup_s=ds.reward_import_timeout_s)
 
 
 def same_data_on_every_rank(data: Data) -> None:
@@ -174,22 +194,42 @@ def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
     if training and hw.attention == "flex":
         require_flex(hw.device)
     ds = cfg.dataset
-    scorer = Scorer(reward_entries(ds.rewards), workers=ds.reward_workers, timeout_s=ds.reward_timeout_s,
-                    seed=cfg.seed, rank=int(os.environ.get("RANK", 0)), memory_gib=ds.reward_memory_gib,
-                    max_calls=ds.reward_worker_max_calls, import_timeout_s=ds.reward_import_timeout_s,
-                    stop_after=ds.reward_stop_after)
+    env_target = resolve_target(ds.environment, "dataset.environment") if ds.environment else None
+    scorer = Scorer(reward_entries(ds.rewards, allow_empty=env_target is not None), workers=ds.reward_workers,
+                    timeout_s=ds.reward_timeout_s, seed=cfg.seed, rank=int(os.environ.get("RANK", 0)),
+                    memory_gib=ds.reward_memory_gib, max_calls=ds.reward_worker_max_calls,
+                    import_timeout_s=ds.reward_import_timeout_s, stop_after=ds.reward_stop_after,
+                    warm_up_also=functools.partial(warm_up_environment, env_target) if env_target else None)
     try:
         scorer.describe()
+        env_spec = describe_environment(scorer, env_target, ds) if env_target else None
         # a row needs a reference answer only where a reward function takes one; as text only where one takes `answer`
         needs = "text" if scorer.needs_answer_text() else "value" if scorer.needs_answer() else False
         data = load_data(cfg.dataset, instruction=cfg.model.instruction, require_answer=needs)
-        scorer.check_columns(data.columns())
+        scorer.check_columns(data.columns() | (set(EPISODE_NAMES) if env_spec else set()))
+        if env_spec is not None:
+            env_spec.check_columns(data.columns())
         if check_data is not None:
             check_data(data)
     except BaseException:
         scorer.close()
         raise
+    scorer.environment = env_spec
     return data, scorer
+
+
+def describe_environment(scorer: Scorer, target: str, ds) -> EnvSpec:
+    """The environment's class read in a worker of the pool (its shape, reset's parameters, its tools), checked
+    against the rewards: a tool class without get_reward needs a reward function to judge its episodes."""
+    kwargs = to_container(ds.environment_kwargs) if ds.environment_kwargs is not None else {}
+    spec = scorer.pool.run([(DescribeEnvironment(target, tuple(kwargs.items())),)], [ds.reward_import_timeout_s])[0]
+    if not isinstance(spec, EnvSpec):
+        raise ConfigError(str(spec))
+    if spec.shape == "tools" and not spec.has_get_reward and not scorer.entries:
+        raise ConfigError(f"dataset.environment={target!r} has no get_reward and dataset.rewards is empty: nothing "
+                          "says whether an episode is right. Add get_reward() to the class, or a reward function "
+                          "(dataset.rewards=[{fn: \"my_env.py:score\"}])")
+    return spec
 
 
 
@@ -218,10 +258,13 @@ def encode_prompts(cfg: DictConfig, folder: Path, data: Data) -> tuple[object, d
     tokenizer = load_tokenizer(folder)
     problems = data.train + [p for eval_set in data.eval.values() for p in eval_set]
     prompt_ids = {p.id: encode_prompt(tokenizer, cfg.model, p) for p in problems}
-    too_long = [pid for pid, ids in prompt_ids.items() if len(ids) + cfg.sampler.max_new_tokens > cfg.sampler.max_model_len]
+    # an episode's turns follow its prompt: its whole budget must fit
+    key, after = (("dataset.episode_max_tokens", cfg.dataset.episode_max_tokens) if cfg.dataset.environment
+                  else ("sampler.max_new_tokens", cfg.sampler.max_new_tokens))
+    too_long = [pid for pid, ids in prompt_ids.items() if len(ids) + after > cfg.sampler.max_model_len]
     if too_long:
         raise ConfigError(
-            f"{len(too_long)} prompts (e.g. {too_long[0]}) plus sampler.max_new_tokens={cfg.sampler.max_new_tokens} "
+            f"{len(too_long)} prompts (e.g. {too_long[0]}) plus {key}={after} "
             f"exceed sampler.max_model_len={cfg.sampler.max_model_len}: raise sampler.max_model_len"
         )
     return tokenizer, prompt_ids
@@ -332,7 +375,9 @@ def settle_hardware(cfg: DictConfig, saved_config: Path | None = None, ranks: Ra
 def learner_settings(cfg: DictConfig) -> LearnerSettings:
     hw, trainer = cfg.hardware, cfg.trainer
     return LearnerSettings(
-        model_name=cfg.model.name, max_new_tokens=cfg.sampler.max_new_tokens, temperature=cfg.sampler.temperature, device=hw.device,
+        model_name=cfg.model.name,
+        # a response's longest (Dr. GRPO's norm): an episode's budget where the run has an environment
+        max_new_tokens=cfg.dataset.episode_max_tokens if cfg.dataset.environment else cfg.sampler.max_new_tokens, temperature=cfg.sampler.temperature, device=hw.device,
         dtype=hw.learner_dtype, autocast_dtype=hw.autocast_dtype, attention=hw.attention, compile=hw.compile_learner,
         gradient_checkpointing=hw.gradient_checkpointing, fsdp=hw.fsdp, cpu_offload=hw.cpu_offload,
         sync_grads_once=hw.sync_grads_once,

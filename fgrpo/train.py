@@ -23,6 +23,7 @@ from fgrpo.checkpointing import Checkpoints, EvalHistory, plan_resume
 from fgrpo.evaluation.held_out import append_counts, evaluate
 from fgrpo.evaluation.plots import plot_pass_at_k
 from fgrpo.evaluation.rare_set import score as rare_set_score
+from fgrpo.evaluation.transcripts import write_transcripts
 from fgrpo.infra import distributed
 from fgrpo.infra.checkpoint import Resumed, restore_rng
 from fgrpo.infra.determinism import naming_nondeterministic_ops
@@ -34,8 +35,9 @@ from fgrpo.learner.learner import Learner
 from fgrpo.prepare import (EVAL_SEED_OFFSET, Run, advantage_settings, learner_settings, loss_settings, make_sampler,
                            make_tracker, prepare)
 from fgrpo.validation import advantage_method_of
+from fgrpo.rollout.episodes import draw_groups, episode_metrics
 from fgrpo.rollout.rollouts import (ProblemStream, collect_groups, learner_sequences, overlong_penalties,
-                                    reward_call_metrics, sample_groups)
+                                    reward_call_metrics)
 from fgrpo.step_metrics import StepOutcomes, step_metrics
 
 log = logging.getLogger("fgrpo")
@@ -120,9 +122,9 @@ def learn_step(cfg: DictConfig, step: int, run: Run, sampler, learner: Learner, 
     run.scorer.at_step(step, cfg.trainer.steps, step * cfg.trainer.prompts_per_step / max(1, len(run.data.train)))
 
     def draw(problems, seeds):
-        return sample_groups(sampler, problems, run.prompt_ids, run.scorer, group_size=algo.group_size,
-                             max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                             top_p=sampling.top_p, seed=seeds, ranks=ranks)
+        return draw_groups(sampler, problems, run.prompt_ids, run.scorer, run.environment, group_size=algo.group_size,
+                           max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                           top_p=sampling.top_p, seed=seeds, ranks=ranks)
 
     groups = collect_groups(draw, stream, cfg.trainer.prompts_per_step, seed=cfg.seed * 100_003 + step,
                             dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.max_sampling_rounds, ranks=ranks)
@@ -132,10 +134,14 @@ def learn_step(cfg: DictConfig, step: int, run: Run, sampler, learner: Learner, 
     skipped, errors = distributed.sum_over_ranks([groups.skipped_prompts, errors_here])
     metrics = {"train/skipped_prompts": skipped, "train/reward_errors": errors,
                **reward_call_metrics(groups, "train", ranks, run.scorer.pool_counters)}
+    if run.environment is not None:
+        metrics.update(episode_metrics(groups, "train"))
     if distributed.sum_over_ranks([len(groups)])[0]:  # every rank updates, with groups of its own or none
         rewards = groups.rewards.clone()  # the weighted sum of the reward functions (fgrpo.rewards)
         if algo.overlong_shaping:
-            rewards += overlong_penalties(groups, sampling.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+            # an episode's length against its budget (its truncated ones are those cut there)
+            longest = run.environment.max_tokens if run.environment is not None else sampling.max_new_tokens
+            rewards += overlong_penalties(groups, longest, algo.overlong_buffer, algo.overlong_penalty)
         # F-GRPO (advantage=focal): mu_hat = the group's success rate (Eq. 11, from the verdicts), g = (1 - mu_hat)^gamma
         # (Eq. 12), A^F = g * A with A the group-normalised advantage (Eqs. 3, 13); gamma = 0: the baseline.
         # The other methods (advantage=maxrl, ...): fgrpo.algorithm.advantage_methods
@@ -166,12 +172,16 @@ def evaluate_policy(cfg: DictConfig, step: int, run: Run, sampler, learner: Lear
     """pass@k metrics and curve of the policy after ``step``; its per-problem counts go to eval_counts.jsonl."""
     sampling = cfg.sampler
     run.scorer.at_step(step, cfg.trainer.steps, step * cfg.trainer.prompts_per_step / max(1, len(run.data.train)))
+    transcripts = {} if run.environment is not None else None  # an environment's: a few episodes to read
     metrics, curve, count_rows = evaluate(
         sampler, run.data.eval, run.prompt_ids, run.scorer, n_samples=cfg.eval.n_samples,
         max_problems=cfg.eval.max_problems, max_new_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature, top_p=sampling.top_p, seed=cfg.seed + EVAL_SEED_OFFSET, ranks=ranks)
+        temperature=sampling.temperature, top_p=sampling.top_p, seed=cfg.seed + EVAL_SEED_OFFSET, ranks=ranks,
+        environment=run.environment, transcripts=transcripts)
     if ranks.main:
         append_counts(run_dir, step, count_rows)
+        if transcripts:
+            write_transcripts(run_dir, step, transcripts)
     if run.rare_set is not None:  # the paper's Delta NLL_rare: is what the base model found rarely forgotten?
         rare = rare_set_score(learner.policy, run.rare_set, pad_id=run.tokenizer.pad_token_id)
         metrics.update({f"eval/{key}": value for key, value in rare.items()})

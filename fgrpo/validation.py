@@ -182,6 +182,20 @@ def _select(cfg, key: str):
     return node
 
 
+def _check_environment(dataset, need) -> None:
+    """``dataset.environment`` and its limits (the class itself is read in a worker: fgrpo.environments.spec)."""
+    need(is_import_path(dataset.environment), "dataset.environment", dataset.environment,
+         "name the class as \"my_env.py:MyEnv\" or \"package.module:MyEnv\"")
+    need(dataset.max_turns >= 1, "dataset.max_turns", dataset.max_turns, "must be >= 1 (the model's turns per episode)")
+    need(dataset.episode_max_tokens >= 1, "dataset.episode_max_tokens", dataset.episode_max_tokens,
+         "must be >= 1 (an episode's tokens after its first prompt, e.g. 512)")
+    need(0 < dataset.environment_timeout_s < math.inf, "dataset.environment_timeout_s", dataset.environment_timeout_s,
+         "must be a finite number of seconds > 0 (each call's limit, e.g. 10)")
+    need(dataset.environment_kwargs is None or hasattr(dataset.environment_kwargs, "keys"),
+         "dataset.environment_kwargs", dataset.environment_kwargs, "must be the constructor's arguments by name, e.g. "
+         "{attempts: 3}, or null")
+
+
 def _check_dataset(dataset, need, problems: list[str]) -> None:
     """``dataset.*``: its kind, the reward functions (fgrpo.rewards.entries; their files must exist), the pool, the
     prompt's template or messages, a generator."""
@@ -192,7 +206,7 @@ def _check_dataset(dataset, need, problems: list[str]) -> None:
 
     need(dataset.kind in DATASET_KINDS, "dataset.kind", dataset.kind, f"must be one of {DATASET_KINDS}")
     try:
-        reward_entries(dataset.rewards)
+        reward_entries(dataset.rewards, allow_empty=dataset.environment is not None)
     except ConfigError as error:
         problems.extend(line.strip() for line in str(error).splitlines()[1:] or [str(error)])
     workers = dataset.reward_workers
@@ -209,6 +223,8 @@ def _check_dataset(dataset, need, problems: list[str]) -> None:
          "must be >= 0 (0: a worker is never replaced)")
     need(dataset.reward_stop_after >= 0, "dataset.reward_stop_after", dataset.reward_stop_after,
          "must be >= 0 (0: a function failing its first calls does not stop the run early)")
+    if dataset.environment is not None:
+        _check_environment(dataset, need)
     if dataset.prompt_template is not None:
         try:
             template_fields(dataset.prompt_template)

@@ -17,17 +17,24 @@ from fgrpo.infra.errors import RewardError
 from fgrpo.infra.run_files import COUNTS_FILE
 from fgrpo.rewards.scoring import Scorer
 from fgrpo.rollout.data import Problem
-from fgrpo.rollout.rollouts import Groups, prompt_seeds, reward_call_metrics, sample_groups
+from fgrpo.rollout.episodes import draw_groups, episode_metrics
+from fgrpo.rollout.rollouts import Groups, prompt_seeds, reward_call_metrics
 
 Curve = list[tuple[int, float, float, float]]  # (k, pass@k, ci_low, ci_high)
+TRANSCRIPT_PROBLEMS = 4  # an environment's evaluation keeps one episode of each of this many problems per set
 # COUNTS_FILE: one JSON row per problem per evaluation, {"step", "dataset", "problem", "n", "c"} (c of the n samples
 # correct; step: the training step evaluated, null for a model evaluated on its own without one)
 
 
 def evaluate(sampler, eval_sets: dict[str, list[Problem]], prompt_ids: dict[str, list[int]], scorer: Scorer, *,
              n_samples: int, max_problems: int, max_new_tokens: int, temperature: float, top_p: float,
-             seed: int, ranks: Ranks = SINGLE) -> tuple[dict[str, float], Curve, list[dict]]:
+             seed: int, ranks: Ranks = SINGLE, environment=None,
+             transcripts: dict | None = None) -> tuple[dict[str, float], Curve, list[dict]]:
     """pass@k for k = 1, 2, 4, ..., ``n_samples`` on the first ``max_problems`` of each set.
+
+    ``environment`` (fgrpo.rollout.episodes): episodes instead of single samples, their metrics (``eval/<set>/env/``)
+    too, and, given ``transcripts`` (a dict), one episode of each of the first few problems per set (``set -> [(problem
+    id, EpisodeRecord)]``).
 
     Several ranks (fgrpo.infra.distributed): each vLLM engine samples its share of the problems (the last one repeated to
     an equal count per engine: the HF sampler's sharded forwards must match), and every rank gets all the counts.
@@ -44,9 +51,9 @@ def evaluate(sampler, eval_sets: dict[str, list[Problem]], prompt_ids: dict[str,
     for name, problems in eval_sets.items():
         problems = problems[:max_problems]
         padded = problems + problems[-1:] * (-len(problems) % ranks.data_parallel_size)
-        groups = sample_groups(sampler, ranks.share(padded, of_engine=True), prompt_ids, scorer, group_size=n_samples,
-                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                               seed=ranks.share(prompt_seeds(seed, len(padded)), of_engine=True), ranks=ranks)
+        groups = draw_groups(sampler, ranks.share(padded, of_engine=True), prompt_ids, scorer, environment,
+                             group_size=n_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                             seed=ranks.share(prompt_seeds(seed, len(padded)), of_engine=True), ranks=ranks)
         # one engine's ranks drew the same: the problems of the first rank of each engine, in order
         mine = (_per_problem(groups), groups.reward_errors) if ranks.rank % ranks.tensor_parallel == 0 else ([], 0)
         parts = gather_objects(mine)
@@ -65,6 +72,11 @@ def evaluate(sampler, eval_sets: dict[str, list[Problem]], prompt_ids: dict[str,
         metrics.update(_reward_metrics(name, outcomes))
         metrics[f"eval/{name}/reward_errors"] = float(sum(errors for _, errors in parts))
         metrics.update(reward_call_metrics(groups, f"eval/{name}", ranks))
+        if environment is not None:  # turns, tool calls, truncations; a few transcripts
+            metrics.update(episode_metrics(groups, f"eval/{name}"))
+            if transcripts is not None:  # the first sample of the first few problems (this rank's)
+                transcripts[name] = [(p.id, group[0].episode) for p, group in
+                                     zip(groups.problems[:TRANSCRIPT_PROBLEMS], groups.completions)]
     ks = [k for k, *_ in next(iter(curves.values()))]
     for k in ks:
         for suffix in ("", "_ci_low", "_ci_high"):

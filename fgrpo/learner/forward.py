@@ -85,7 +85,19 @@ def completion_logprobs(
     entropy = None
     if with_entropy:
         entropy = torch.zeros(mask.shape, dtype=flat_entropy.dtype, device=device).masked_scatter(mask, flat_entropy)
-    return logp, mask, entropy
+    return logp, loss_mask(seqs, mask), entropy
+
+
+def loss_mask(seqs: list[Sequence], mask: torch.Tensor) -> torch.Tensor:
+    """``mask [B, T]`` (the completions' tokens) less the tokens of episodes' observations, tools and templates
+    (``Sequence.loss_mask`` 0): every term of the loss, its counts and metrics read only the tokens the model sampled."""
+    if all(s.loss_mask is None for s in seqs):
+        return mask
+    kept = torch.zeros_like(mask)
+    for row, seq in enumerate(seqs):
+        length = len(seq.completion_ids)
+        kept[row, :length] = True if seq.loss_mask is None else torch.tensor(seq.loss_mask, dtype=torch.bool)
+    return mask & kept
 
 
 def compute_device(model) -> torch.device:

@@ -323,7 +323,7 @@ def update_policy(
     undone by a factor of the world size, so the step equals one process's on the whole batch. The metrics are
     the whole batch's too.
     """
-    num_tokens, num_seqs = distributed.sum_over_ranks([sum(len(s.completion_ids) for s in seqs), len(seqs)])
+    num_tokens, num_seqs = distributed.sum_over_ranks([sum(s.loss_tokens for s in seqs), len(seqs)])
     counts = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=float(max_new_tokens))
     world = distributed.world_size()
     optimizer.zero_grad(set_to_none=True)
@@ -404,5 +404,5 @@ def _micro_batch_loss(model, micro: MicroBatch, loss: LossSettings, counts: dict
         ref_logp=ref_logp, kl_coef=loss.kl_coef, entropy=entropy if loss.entropy_coef > 0 else None,
         entropy_coef=loss.entropy_coef, **counts,
     )
-    tokens = sum(len(s.completion_ids) for s in micro.seqs)  # = mask.sum(), known on the host
+    tokens = sum(s.loss_tokens for s in micro.seqs)  # = mask.sum(), known on the host
     return micro_loss, metrics, float(tokens), float((entropy.detach() * mask).sum())

@@ -19,6 +19,14 @@ class Sequence:
     completion_ids: list[int]
     advantage: float = 0.0
     old_logp: torch.Tensor | None = None  # [len(completion_ids)], set when mini_batches > 1
+    # an episode's (fgrpo.rollout.episodes): 1 on the tokens the model sampled, 0 on the template's, observations' and
+    # tools' tokens between its turns, which are in the forward (the context) but not in the loss; None: all 1
+    loss_mask: list[int] | None = None
+
+    @property
+    def loss_tokens(self) -> int:
+        """The completion tokens the loss counts: the sampled ones."""
+        return len(self.completion_ids) if self.loss_mask is None else int(sum(self.loss_mask))
 
 
 

@@ -35,10 +35,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 __all__ = ["Binding", "TrainerState", "bind", "unfilled", "sample_view", "FGRPO_NAMES", "BATCH_NAMES", "CALL_NAMES",
-           "arguments", "batch_arguments", "needed", "unknown_kwargs"]
+           "arguments", "batch_arguments", "needed", "unknown_kwargs", "EPISODE_NAMES"]
 
 FGRPO_NAMES = ("completion", "solution_str", "answer", "ground_truth", "prompt", "completion_ids", "data_source",
                "extra_info", "row", "timeout_s")
+# an episode's (fgrpo.rollout.episodes): the conversation (chat messages) and the environment's reward
+EPISODE_NAMES = ("messages", "env_reward")
 CALL_NAMES = ("trainer_state", "log_metric", "log_extra")  # one value per call, made in the worker
 # TRL's and verl's plural names: a function taking one is called once per batch, each the list of a per-sample name
 BATCH_NAMES = {"completions": "completion", "prompts": "prompt", "solution_strs": "solution_str",
@@ -120,15 +122,18 @@ def unknown_kwargs(binding: Binding, kwargs: Mapping[str, Any] | None) -> list[s
 
 
 def sample_view(*, completion: str, completion_ids: list[int], prompt: Any, answer: str | None, source: str,
-                fields: Mapping[str, Any], timeout_s: float, reference: Any = None) -> dict[str, Any]:
+                fields: Mapping[str, Any], timeout_s: float, reference: Any = None,
+                episode: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Every name one sample's parameters may take (the table of the module's docstring). ``reference``: the reference
-    answer as it is in the row (``ground_truth``); default ``answer``."""
+    answer as it is in the row (``ground_truth``); default ``answer``. ``episode``: an episode's own names
+    (:data:`EPISODE_NAMES`)."""
     view = dict(fields)
     view.update(completion=completion, solution_str=completion, answer=answer,
                 ground_truth=answer if reference is None else reference, prompt=prompt,
                 completion_ids=list(completion_ids), timeout_s=timeout_s, data_source=source, extra_info=dict(fields),
                 row=dict(fields))
     view.update({name: fields[name] for name in _ROW_WINS if name in fields})
+    view.update(episode or {})
     return view
 
 

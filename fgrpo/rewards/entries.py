@@ -52,15 +52,18 @@ class RewardEntry:
 
 
 def reward_entries(configured: Iterable[Mapping[str, Any]], key: str = "dataset.rewards", *,
-                   resolve_files: bool = True) -> list[RewardEntry]:
+                   resolve_files: bool = True, allow_empty: bool = False) -> list[RewardEntry]:
     """The entries of ``configured`` (the config's list), checked: every ``fn`` of a known form (and, with
-    ``resolve_files``, every file there), unique names, finite weights, one verdict.
+    ``resolve_files``, every file there), unique names, finite weights, one verdict. ``allow_empty``: none is
+    allowed (a run with an environment, which rewards and judges its episodes itself).
 
     Raises:
         ConfigError: listing every problem, each naming its key and the fix.
     """
     configured = list(configured or [])
     problems: list[str] = []
+    if not configured and allow_empty:  # an environment's episodes: its own reward and verdict
+        return []
     if not configured:
         raise ConfigError(f"{key} is empty: list at least one reward function, e.g. "
                           f"'{key}=[{{fn: numeric}}]' or '{key}=[{{fn: \"my_task.py:score\"}}]'")

@@ -19,14 +19,14 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from fgrpo.infra import distributed
 from fgrpo.infra.errors import ConfigError, RewardError
 from fgrpo.rewards.binding import FGRPO_NAMES, Binding, TrainerState, needed, unfilled, unknown_kwargs
 from fgrpo.rewards.calls import Call, CallResult, Describe, Failed, Outcome, run_task, warm_up
 from fgrpo.rewards.entries import RewardEntry
-from fgrpo.user_code.running import run_request
+from fgrpo.user_code.running import run_request, warm_up_each
 from fgrpo.user_code.pool import AUTO_WORKERS, STARTUP_LIMIT_S, Fault, StartupTimeout, WorkerPool, auto_workers
 
 __all__ = ["Scorer", "ScoredBatch", "FAILURE_KINDS", "user_code_workers"]
@@ -86,7 +86,7 @@ class Scorer:
     def __init__(self, entries: list[RewardEntry], *, workers: int | str = 1, timeout_s: float = 5.0,
                  conversational: bool = False, system_prompt: str | None = None, seed: int = 0, rank: int = 0,
                  memory_gib: float | None = None, max_calls: int = 0, import_timeout_s: float = STARTUP_LIMIT_S,
-                 stop_after: int = STOP_AFTER):
+                 stop_after: int = STOP_AFTER, warm_up_also: Callable[[], Any] | None = None):
         self.entries = entries
         self.timeout_s = timeout_s
         self.conversational, self.system_prompt = conversational, system_prompt
@@ -95,13 +95,19 @@ class Scorer:
         pooled = [entry for entry in entries if not entry.in_process]
         users = [entry for entry in pooled if not entry.builtin]
         targets = tuple((entry.target, f"{entry.key}.fn") for entry in pooled)
+        # warm_up_also: other user code the workers serve (an environment's class: fgrpo.environments), imported too
+        users_here = bool(users) or warm_up_also is not None
         if workers == AUTO_WORKERS:
-            workers = user_code_workers() if users else auto_workers()
+            workers = user_code_workers() if users_here else auto_workers()
+        warm = functools.partial(warm_up, targets)
+        if warm_up_also is not None:
+            warm = functools.partial(warm_up_each, (warm, warm_up_also))
         # a user's code always leaves the trainer's process; the math check alone stays in it with one worker
-        self.pool = WorkerPool(run_request, workers, timeout_s=timeout_s, warm_up=functools.partial(warm_up, targets),
-                               in_process_alone=not users, seed=hash((seed, rank)) % 2 ** 32, memory_gib=memory_gib,
-                               max_calls=max_calls, startup_limit_s=import_timeout_s) if pooled else None
+        self.pool = WorkerPool(run_request, workers, timeout_s=timeout_s, warm_up=warm, in_process_alone=not users_here,
+                               seed=hash((seed, rank)) % 2 ** 32, memory_gib=memory_gib, max_calls=max_calls,
+                               startup_limit_s=import_timeout_s) if pooled or users_here else None
         self.bindings: dict[str, Binding] = {}
+        self.environment = None  # the run's environment's EnvSpec (fgrpo.environments.spec), set by fgrpo.prepare
         self._reported: set[tuple[str, str]] = set()  # (entry, kind) whose first failure was logged
         self._streaks = {entry.name: _Streak() for entry in entries}
         self._first_batch = True

@@ -107,13 +107,17 @@ class Groups:
 
     def mean_logprobs(self) -> torch.Tensor:
         """``[P, G]`` each completion's mean token log-prob under the policy that sampled it (0 for an empty one)."""
-        return torch.tensor([[sum(c.logprobs) / len(c.logprobs) if c.logprobs else 0.0 for c in group]
-                             for group in self.completions], dtype=torch.float32).reshape(self.correct.shape)
+        means = [[_mean(c.sampled_logprobs()) for c in group] for group in self.completions]
+        return torch.tensor(means, dtype=torch.float32).reshape(self.correct.shape)
 
     def mixed(self) -> list[int]:
         """Groups with both outcomes: the only ones with a non-zero group-relative advantage."""
         successes = self.correct.sum(dim=1)
         return [i for i in range(len(self)) if 0 < successes[i] < self.correct.shape[1]]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 def _added(one: dict[str, Counter], other: dict[str, Counter]) -> dict[str, Counter]:
@@ -234,7 +238,8 @@ def overlong_penalties(groups: Groups, max_new_tokens: int, buffer: int, penalty
 
 def learner_sequences(groups: Groups, advantages: torch.Tensor, prompt_ids: dict[str, list[int]]) -> list[Sequence]:
     """One sequence per non-empty completion, carrying its advantage ``advantages[p, g]``."""
-    return [Sequence(prompt_ids[problem.id], completion.token_ids, float(advantages[i, j]))
+    return [Sequence(completion.episode.prompt_ids if completion.episode is not None else prompt_ids[problem.id],
+                     completion.token_ids, float(advantages[i, j]), loss_mask=completion.loss_mask)
             for i, (problem, group) in enumerate(zip(groups.problems, groups.completions))
             for j, completion in enumerate(group) if completion.token_ids]
 

@@ -34,6 +34,16 @@ class Completion:
     logprobs: list[float]  # the sampler's log-prob of each sampled token
     truncated: bool  # stopped by max_new_tokens, not by EOS
     text: str
+    # an episode (fgrpo.rollout.episodes): 1 on the model's sampled tokens, 0 on the template's, observations' and
+    # tools' tokens between its turns (their logprobs are 0); None: a single turn, every token sampled
+    loss_mask: list[int] | None = None
+    episode: object = None  # an episode's record (fgrpo.rollout.episodes.EpisodeRecord): turns, tool calls, transcript
+
+    def sampled_logprobs(self) -> list[float]:
+        """The log-probs of the tokens the model sampled (an episode's masked-in ones)."""
+        if self.loss_mask is None:
+            return self.logprobs
+        return [lp for lp, keep in zip(self.logprobs, self.loss_mask) if keep]
 
 
 class Sampler(Protocol):

@@ -251,6 +251,25 @@ class WorkerPool:
                 self._stop()  # workers in an unknown state (an interrupt mid-batch): the next batch starts afresh
                 raise
 
+    def serve(self, requests: list) -> list[Future]:
+        """Long-lived tasks, ``fn(request)`` each on a worker of its own until it returns (an environment's episode
+        hosts: fgrpo.environments.hosts), without a time limit: the caller bounds each exchange with them and cancels a
+        stuck one (pebble then kills its worker and starts another; :meth:`count_lost` counts it)."""
+        if len(requests) > self.workers:
+            raise ValueError(f"{len(requests)} long-lived tasks for {self.workers} workers")
+        with self._lock:
+            if self._pool is not None and not self._pool.active:
+                self._stop()
+            self._start()
+            return [self._pool.schedule(self.fn, (request,)) for request in requests]
+
+    def count_lost(self, kind: str) -> None:
+        """A worker of a long-lived task lost: ``died`` (it ended) or ``stuck`` (killed past its time limit)."""
+        if kind == "died":
+            self.worker_deaths += 1
+        else:
+            self.stuck_workers_killed += 1
+
     def start(self) -> None:
         """Start the workers now (say, while the model loads) rather than at the first batch; no wait for them."""
         if not self.in_process:

@@ -20,7 +20,7 @@ from fgrpo.user_code.time_limit import run_with_time_limit
 from fgrpo.user_code.worker import end_if_over_memory
 
 __all__ = ["in_worker", "user_faults", "await_result", "call_bounded", "seed_call", "user_traceback", "run_request",
-           "raised_text"]
+           "raised_text", "warm_up_each"]
 
 _worker = {"on": False}
 _USER_FAULTS: tuple[type[BaseException], ...] = (Exception,)  # in the trainer: a Ctrl-C there is the user's wish
@@ -33,6 +33,12 @@ def run_request(request) -> Any:
     description of a user's function or class). A request never raises for the user's faults: a raise here would fail
     the whole batch in the pool."""
     return request.run()
+
+
+def warm_up_each(warm_ups: tuple[Callable[[], Any], ...]) -> None:
+    """A worker's warm-up made of several (the reward functions' imports, an environment's class)."""
+    for warm_up in warm_ups:
+        warm_up()
 
 
 def in_worker() -> None:
