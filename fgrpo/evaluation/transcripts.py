@@ -16,7 +16,8 @@ def transcript_rows(step: int, transcripts: dict[str, list]) -> list[dict]:
     """One row per episode: ``transcripts`` maps a set's name to ``[(problem id, EpisodeRecord)]``."""
     return [{"step": step, "dataset": name, "problem": problem, "messages": record.messages, "turns": record.turns,
              "tool_calls": record.tool_calls, "tool_errors": record.tool_errors, "truncated": record.truncated,
-             "env_reward": record.env_reward, "env_correct": record.env_correct, "failure": record.failure}
+             "env_reward": record.env_reward, "reward": record.reward, "correct": record.correct,
+             "failure": record.failure}
             for name, episodes in transcripts.items() for problem, record in episodes]
 
 
@@ -38,10 +39,10 @@ def markdown(step: int, rows: list[dict]) -> str:
     """The episodes of one evaluation, each a heading and its turns."""
     parts = [f"# Episodes at step {step}\n"]
     for row in rows:
-        verdict = {True: "right", False: "wrong", None: "no verdict"}[row["env_correct"]]
+        verdict = {True: "right", False: "wrong", None: "no verdict"}[row["correct"]]
         ending = f", failed ({row['failure']})" if row["failure"] else ", truncated" if row["truncated"] else ""
         parts.append(f"## {row['dataset']} / {row['problem']}: {row['turns']} turns, {row['tool_calls']} tool calls, "
-                     f"reward {row['env_reward']:g}, {verdict}{ending}\n")
+                     f"reward {row['reward']:g}, {verdict}{ending}\n")
         for message in row["messages"]:
             parts.append(f"**{message['role']}**: {message['content']}\n")
     return "\n".join(parts)

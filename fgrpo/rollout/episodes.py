@@ -78,6 +78,8 @@ class EpisodeRecord:
     env_correct: bool | None = None
     env_parts: dict[str, float] = field(default_factory=dict)  # the reward's other numbers by name (summed)
     failure: str | None = None  # the kind of the call that ended it (ENV_FAILURE_KINDS)
+    correct: bool | None = None  # the episode's verdict (the environment's or the rewards'), once scored
+    reward: float | None = None  # its training reward, once scored
     done: bool = False
 
     @property
@@ -281,6 +283,8 @@ def _scored(episodes: list[_Episode], env: Environment, scorer: Scorer, group_si
         failures.update(scored.failures)
         errors, metrics = scored.errors, scored.metrics
         skipped = torch.tensor(scored.skipped, dtype=torch.bool).reshape(shape).any(dim=1)
+    for ep, right, reward in zip(episodes, correct.tolist(), rewards.tolist()):  # for the transcripts
+        ep.record.correct, ep.record.reward = bool(right), reward
     return Groups(problems, completions, correct.reshape(shape), rewards.reshape(shape), values, skipped, errors,
                   failures=failures, reward_metrics=metrics)
 
