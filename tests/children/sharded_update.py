@@ -48,6 +48,11 @@ CASES = {
                            layout=dict(micro_batch_size=3)),
     # LoRA adapters (rank 4, B perturbed so that they act) over a frozen base, sharded with it; a KL term against the
     # base (the adapters off) and an off-policy mini-batch
+    # an environment's episodes: each sequence's loss mask leaves out a run of observation / tool tokens in its middle
+    # (fgrpo.rollout.episodes), packed with shared prompts and segment attention
+    "fp64-episode-masks": dict(dtype=torch.float64, loss="dapo", checkpointing=False, grad_clip=1e9,
+                               layout=dict(micro_batch_size=4, micro_batch_tokens=48, share_prompts=True),
+                               attention=SEGMENT_ATTENTION, masks=True),
     "fp32-lora": dict(dtype=torch.float32, loss="grpo", checkpointing=True, grad_clip=1e9,
                       layout=dict(micro_batch_size=3), lora=True, old_logprobs=True),
 }
@@ -123,6 +128,9 @@ def one_case(case_name: str, out: Path, ranks, reductions: list[int], fsdp_alone
         shard_policy(model, device="cpu", autocast_dtype=str(autocast).removeprefix("torch.") if autocast else None)
     reductions[0] = 0
     seqs = grouped_seqs(PROMPTS, SAMPLES, seed=5)
+    if case.get("masks"):  # tokens 2-4 of each completion as an environment's (0: out of the loss)
+        seqs = [dataclasses.replace(s, loss_mask=[0 if 2 <= i < 5 else 1 for i in range(len(s.completion_ids))])
+                for s in seqs]
     if ranks.world == 2:  # groups 0-2 on rank 0, group 3 on rank 1
         seqs = seqs[: 3 * SAMPLES] if ranks.rank == 0 else seqs[3 * SAMPLES:]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
