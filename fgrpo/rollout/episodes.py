@@ -78,6 +78,7 @@ class EpisodeRecord:
     env_correct: bool | None = None
     env_parts: dict[str, float] = field(default_factory=dict)  # the reward's other numbers by name (summed)
     failure: str | None = None  # the kind of the call that ended it (ENV_FAILURE_KINDS)
+    failure_message: str = ""  # and what it said (its traceback)
     correct: bool | None = None  # the episode's verdict (the environment's or the rewards'), once scored
     reward: float | None = None  # its training reward, once scored
     done: bool = False
@@ -231,7 +232,7 @@ def _reset_row(problem: Problem, spec: EnvSpec) -> dict:
 
 
 def _fail(env: Environment, ep: _Episode, reply: Reply, call: str) -> None:
-    ep.record.failure, ep.record.done = reply.kind, True
+    ep.record.failure, ep.record.failure_message, ep.record.done = reply.kind, f"{call}: {reply.message}", True
     ep.record.env_reward, ep.record.env_correct = 0.0, False
     if reply.kind not in env._reported:
         env._reported.add(reply.kind)
@@ -246,14 +247,13 @@ def _stop_if_failing_everywhere(env: Environment, episodes: list[_Episode]) -> N
         return
     env._first_batch = False
     failed = [ep.record for ep in episodes if ep.record.failure is not None]
-    mine = (len(failed) == len(episodes) and bool(episodes),
-            next((f"{r.failure}" for r in failed), ""), len(episodes))
-    parts = gather_objects(mine)
+    first = next(((r.failure, r.failure_message) for r in failed), ("", ""))
+    parts = gather_objects((len(failed) == len(episodes) and bool(episodes), first, len(episodes)))
     if any(count for _, _, count in parts) and all(all_failed or not count for all_failed, _, count in parts):
-        kind = next(kind for _, kind, count in parts if count)
+        kind, message = next(first for _, first, count in parts if count)
         raise RewardError(f"environment {env.spec.target} (dataset.environment) failed every one of the "
-                          f"{sum(c for _, _, c in parts)} episodes of its first batch ({kind}; its traceback is in the "
-                          "log above): fix it, then run again")
+                          f"{sum(c for _, _, c in parts)} episodes of its first batch: fix it, then run again. Its "
+                          f"first failure ({kind}), in {message}")
 
 
 def _scored(episodes: list[_Episode], env: Environment, scorer: Scorer, group_size: int, shape) -> Groups:
