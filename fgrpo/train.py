@@ -23,7 +23,7 @@ from fgrpo.checkpointing import Checkpoints, EvalHistory, plan_resume
 from fgrpo.evaluation.held_out import append_counts, evaluate
 from fgrpo.evaluation.plots import plot_pass_at_k
 from fgrpo.evaluation.rare_set import score as rare_set_score
-from fgrpo.evaluation.transcripts import write_transcripts
+from fgrpo.evaluation.transcripts import TABLE_COLUMNS, TRANSCRIPTS_KEY, table_rows, write_transcripts
 from fgrpo.infra import distributed
 from fgrpo.infra.checkpoint import Resumed, restore_rng
 from fgrpo.infra.determinism import naming_nondeterministic_ops
@@ -75,13 +75,24 @@ def train_prepared(cfg: DictConfig, run: Run, run_dir: Path, ranks: Ranks, *, ru
         checkpoints = Checkpoints(cfg, run_dir, learner, stream, ranks)
         resumed = checkpoints.resume(sampler) if resuming else None
 
+        tables: list[tuple[int, list]] = []  # an environment's transcripts, for the tracker once it logs the step
+
         def evaluate_now(step: int) -> tuple[dict, object]:
-            return evaluate_policy(cfg, step, run, sampler, learner, run_dir, ranks)
+            metrics, curve = evaluate_policy(cfg, step, run, sampler, learner, run_dir, ranks)
+            if TRANSCRIPTS_KEY in metrics:
+                tables.append((step, metrics.pop(TRANSCRIPTS_KEY)))
+            return metrics, curve
+
+        def log_tables(tracker) -> None:
+            while tables:
+                at, rows = tables.pop(0)
+                tracker.log_table("eval/transcripts", TABLE_COLUMNS, rows, step=at)
 
         stopped_at = None
         with make_tracker(cfg, run_dir, run_name, overrides, run.precision, ranks, resumed) as tracker, \
                 StopSignals(cfg.hardware.slurm_signal_delay_s - STOP_MARGIN_S) as signals, naming_nondeterministic_ops():
             history, first_step = start_history(cfg, run_dir, resumed, evaluate_now, tracker, ranks)
+            log_tables(tracker)
             checkpoints.restart_clock()
             progress = tqdm(range(first_step, cfg.trainer.steps + 1), desc="training", unit="step", dynamic_ncols=True,
                             disable=not ranks.main, initial=first_step - 1, total=cfg.trainer.steps)
@@ -93,6 +104,7 @@ def train_prepared(cfg: DictConfig, run: Run, run_dir: Path, ranks: Ranks, *, ru
                 if step == cfg.trainer.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                     history.record(step, *evaluate_now(step))
                     tracker.log(history.last, step=step)
+                    log_tables(tracker)
                     if ranks.main:
                         progress.write(f"step {step}: eval pass@1 = {history.last['eval/pass@1']:.3f}")
                 if checkpoints.save_if_due(step, signals.stop_requested, history, tracker.wandb_run_id):
@@ -181,7 +193,8 @@ def evaluate_policy(cfg: DictConfig, step: int, run: Run, sampler, learner: Lear
     if ranks.main:
         append_counts(run_dir, step, count_rows)
         if transcripts:
-            write_transcripts(run_dir, step, transcripts)
+            rows = write_transcripts(run_dir, step, transcripts)
+            metrics[TRANSCRIPTS_KEY] = table_rows(rows)  # the tracker's table (popped before the metrics are logged)
     if run.rare_set is not None:  # the paper's Delta NLL_rare: is what the base model found rarely forgotten?
         rare = rare_set_score(learner.policy, run.rare_set, pad_id=run.tokenizer.pad_token_id)
         metrics.update({f"eval/{key}": value for key, value in rare.items()})

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fgrpo.infra.run_files import read_metrics
+from wandb_files import read_wandb_run
 from test_run import EAGER, REPO
 from test_tasks import torchrun
 
@@ -46,7 +47,7 @@ def run_bad(run_dir: Path, *overrides: str) -> str:
 
 @pytest.mark.parametrize("shape", ["game", "tools"])
 def test_each_example_trains_two_steps_with_episode_metrics_and_transcripts(tmp_path, shape):
-    rows = example(tmp_path, GAME if shape == "game" else TOOLS, "sampler=hf")
+    rows = example(tmp_path, GAME if shape == "game" else TOOLS, "sampler=hf", "logger=wandb")
     steps = [r for r in rows if "train/loss" in r]
     assert len(steps) == 2 and all(ENV_KEYS <= set(r) for r in steps)
     assert all(r["train/grad_norm"] >= 0 and 1 <= r["train/env/turns_mean"] <= 3 for r in steps)
@@ -56,6 +57,8 @@ def test_each_example_trains_two_steps_with_episode_metrics_and_transcripts(tmp_
     assert sorted({t["step"] for t in transcripts}) == [0, 1, 2]
     assert all(t["messages"][0]["role"] in ("system", "user") and t["turns"] >= 1 for t in transcripts)
     assert (tmp_path / "transcripts" / "step_0002.md").read_text().startswith("# Episodes at step 2")
+    tables = [r for r in read_wandb_run(tmp_path).history if "eval/transcripts" in r]  # W&B's table of them
+    assert [r["_step"] for r in tables] == [0, 1, 2] and tables[0]["eval/transcripts"]["_type"] == "table-file"
     if shape == "game":  # every random answer is wrong: three tries, each after the first told "higher" or "lower"
         assert all(t["turns"] == 3 and [m["role"] for m in t["messages"]].count("user") == 3 for t in transcripts)
 

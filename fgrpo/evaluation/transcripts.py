@@ -10,6 +10,16 @@ from pathlib import Path
 
 TRANSCRIPTS_FILE = "transcripts.jsonl"
 TRANSCRIPTS_DIR = "transcripts"
+TRANSCRIPTS_KEY = "eval/transcripts"  # the W&B table's key
+
+
+TABLE_COLUMNS = ["dataset", "problem", "conversation", "turns", "tool_calls", "reward", "correct"]
+
+
+def table_rows(rows: list[dict]) -> list[list]:
+    """The rows as W&B's transcript table holds them (:data:`TABLE_COLUMNS`): the conversation as one text."""
+    return [[row["dataset"], row["problem"], "\n\n".join(f"{m['role']}: {m['content']}" for m in row["messages"]),
+             row["turns"], row["tool_calls"], row["reward"], row["correct"]] for row in rows]
 
 
 def transcript_rows(step: int, transcripts: dict[str, list]) -> list[dict]:

@@ -246,6 +246,17 @@ class Tracker:
             wandb = self._wandb
             self._wandb_call("log_image", lambda: self._wandb_run.log({key: wandb.Image(str(image_path))}, step=step))
 
+    def log_table(self, key: str, columns: list[str], rows: list[list[Any]], *, step: int) -> None:
+        """Log rows of text (an environment's transcripts) to W&B as a ``wandb.Table``; nothing else is written (the
+        caller keeps its own file)."""
+        self._check_open()
+        step = self._check_step(step)
+        self._check_key(key)
+        if self._wandb_run is not None:
+            wandb = self._wandb
+            self._wandb_call("log_table", lambda: self._wandb_run.log(
+                {key: wandb.Table(columns=list(columns), data=[list(row) for row in rows])}, step=step))
+
     def summary(self, metrics: Mapping[str, Any]) -> None:
         """Record final numbers: merged into summary.json (rewritten atomically) and the W&B summary.
 
@@ -455,6 +466,9 @@ class NoTracker:
         pass
 
     def log_image(self, key: str, path: str | os.PathLike, *, step: int) -> None:
+        pass
+
+    def log_table(self, key: str, columns: list[str], rows: list[list[Any]], *, step: int) -> None:
         pass
 
     def summary(self, metrics: Mapping[str, Any]) -> None:
