@@ -127,101 +127,132 @@ def sample_episodes(sampler, problems: list[Problem], env: Environment, scorer: 
 def _play(sampler, episodes: list[_Episode], env: Environment, hosts: EpisodeHosts, *, max_new_tokens: int,
           temperature: float, top_p: float) -> float:
     """Reset every episode, then turn rounds until each is done; returns the seconds spent in the environment."""
-    tic = time.perf_counter()
-    replies = hosts.call([("reset", e, (_reset_row(ep.problem, env.spec), ep.seed)) for e, ep in enumerate(episodes)])
-    for ep, reply in zip(episodes, replies):
-        text = reply.value if reply.status == "ok" else None
-        ep.record = EpisodeRecord(env.renderer.prompt_ids(ep.problem.prompt or ep.problem.question, text))
-        ep.record.messages = env.renderer.messages(ep.problem.prompt or ep.problem.question, text)
-        if reply.status != "ok":
-            _fail(env, ep, reply, "reset")
-    env_time = time.perf_counter() - tic
+    clock = _Clock()
+    with clock:
+        _reset_all(episodes, env, hosts)
     for turn in range(env.max_turns):
         live = [e for e, ep in enumerate(episodes) if not ep.record.done]
         if not live:
             break
-        room = [env.max_tokens - len(episodes[e].ids) for e in live]
-        outputs = sampler.generate([episodes[e].record.prompt_ids + episodes[e].ids for e in live], 1,
-                                   max_new_tokens=max(1, min(max_new_tokens, max(room))), temperature=temperature,
-                                   top_p=top_p, seed=[episodes[e].seed * 31 + turn for e in live])
-        ops, owners = [], []
-        for e, left, (completion,) in zip(live, room, outputs):
-            ep = episodes[e]
-            ids, logprobs = completion.token_ids[:left], completion.logprobs[:left]
-            ep.add(ids, logprobs)
-            ep.record.turns += 1
-            ep.stopped = not completion.truncated
-            text = (completion.text if len(ids) == len(completion.token_ids)
-                    else env.renderer.tokenizer.decode(ids, skip_special_tokens=True))
-            ep.record.messages.append({"role": "assistant", "content": text})
-            if len(ids) < len(completion.token_ids) or len(ep.ids) >= env.max_tokens:
-                ep.record.truncated = ep.record.done = True
-                continue
-            if env.spec.shape == "game":
-                ops.append(("step", e, text))
-                owners.append((e, None, completion))
-                continue
+        ops, owners = _sample_turn(sampler, episodes, live, env, turn, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p)
+        with clock:
+            replies = hosts.call([op for op in ops if op is not None])
+        _take_replies(episodes, env, ops, owners, replies, last_round=turn == env.max_turns - 1)
+    for ep in episodes:
+        ep.record.done = True
+    with clock:
+        if env.spec.shape == "tools" and env.spec.has_get_reward:
+            _get_rewards(episodes, env, hosts)
+        hosts.call([("close", e, None) for e, ep in enumerate(episodes) if ep.record.failure is None])
+    return clock.seconds
+
+
+class _Clock:
+    """Seconds spent inside its ``with`` blocks, added up."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __enter__(self):
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc_info):
+        self.seconds += time.perf_counter() - self._start
+
+
+def _reset_all(episodes: list[_Episode], env: Environment, hosts: EpisodeHosts) -> None:
+    """Every episode's instance built and reset; its first prompt rendered with what reset returned."""
+    replies = hosts.call([("reset", e, (_reset_row(ep.problem, env.spec), ep.seed)) for e, ep in enumerate(episodes)])
+    for ep, reply in zip(episodes, replies):
+        text = reply.value if reply.status == "ok" else None
+        prompt = ep.problem.prompt or ep.problem.question
+        ep.record = EpisodeRecord(env.renderer.prompt_ids(prompt, text), env.renderer.messages(prompt, text))
+        if reply.status != "ok":
+            _fail(env, ep, reply, "reset")
+
+
+def _sample_turn(sampler, episodes: list[_Episode], live: list[int], env: Environment, turn: int, *,
+                 max_new_tokens: int, temperature: float, top_p: float) -> tuple[list, list]:
+    """One sampler call over the live episodes, each from its own ids; the turn's tokens appended as sampled (cut at
+    the budget). Returns the environment's calls to make (None: a malformed tool call, answered here) and, for each,
+    ``(episode, tool call or None)``."""
+    room = [env.max_tokens - len(episodes[e].ids) for e in live]
+    outputs = sampler.generate([episodes[e].record.prompt_ids + episodes[e].ids for e in live], 1,
+                               max_new_tokens=max(1, min(max_new_tokens, max(room))), temperature=temperature,
+                               top_p=top_p, seed=[episodes[e].seed * 31 + turn for e in live])
+    ops, owners = [], []
+    for e, left, (completion,) in zip(live, room, outputs):
+        ep = episodes[e]
+        ids = completion.token_ids[:left]
+        ep.add(ids, completion.logprobs[:left])
+        ep.record.turns += 1
+        ep.stopped = not completion.truncated
+        whole = len(ids) == len(completion.token_ids)
+        text = completion.text if whole else env.renderer.tokenizer.decode(ids, skip_special_tokens=True)
+        ep.record.messages.append({"role": "assistant", "content": text})
+        if not whole or len(ep.ids) >= env.max_tokens:
+            ep.record.truncated = ep.record.done = True
+        elif env.spec.shape == "game":
+            ops.append(("step", e, text))
+            owners.append((e, None))
+        else:
             calls = parse_tool_calls(text)
-            if not calls:
-                ep.record.done = True  # the model answered
-                continue
+            ep.record.done = not calls  # a turn without a call: the model answered
             for call in calls:
                 ep.record.tool_calls += 1
                 ops.append(("tool", e, (call.name, call.arguments)) if not call.error else None)
-                owners.append((e, call, completion))
-        last_round = turn == env.max_turns - 1
-        tic = time.perf_counter()
-        replies = hosts.call([op for op in ops if op is not None])
-        env_time += time.perf_counter() - tic
-        answered = iter(replies)
-        results: dict[int, list[dict]] = {}
-        for op, (e, call, completion) in zip(ops, owners):
-            ep = episodes[e]
-            reply = next(answered) if op is not None else Reply("tool_error", call.error)
-            if ep.record.done:
-                continue
-            if reply.status == "failed":
-                _fail(env, ep, reply, op[0])
-                continue
-            if env.spec.shape == "game":
-                observation, (reward, correct, parts), done = reply.value
-                ep.record.env_reward += reward
-                ep.record.env_correct = correct if correct is not None else ep.record.env_correct
-                for name, value in parts.items():  # summed over the steps, as the reward is
-                    ep.record.env_parts[name] = ep.record.env_parts.get(name, 0.0) + value
-                if done or last_round:
-                    ep.record.done = True
-                elif observation is not None:
-                    results.setdefault(e, []).append({"role": "user", "content": observation})
-                continue
-            if reply.status == "tool_error":
-                ep.record.tool_errors += 1
-            results.setdefault(e, []).append({"role": "tool", "name": call.name or "tool", "content": str(reply.value)})
-        for e, messages in results.items():
-            ep = episodes[e]
-            if ep.record.done or last_round:
+                owners.append((e, call))
+    return ops, owners
+
+
+def _take_replies(episodes: list[_Episode], env: Environment, ops: list, owners: list, replies: list[Reply], *,
+                  last_round: bool) -> None:
+    """The environment's replies into the episodes: rewards, ends, failures, and the next turn's suffix as ids."""
+    answered = iter(replies)
+    results: dict[int, list[dict]] = {}
+    for op, (e, call) in zip(ops, owners):
+        ep = episodes[e]
+        reply = next(answered) if op is not None else Reply("tool_error", call.error)
+        if ep.record.done:
+            continue
+        if reply.status == "failed":
+            _fail(env, ep, reply, op[0])
+        elif env.spec.shape == "game":
+            observation, (reward, correct, parts), done = reply.value
+            ep.record.env_reward += reward
+            ep.record.env_correct = correct if correct is not None else ep.record.env_correct
+            for name, value in parts.items():  # summed over the steps, as the reward is
+                ep.record.env_parts[name] = ep.record.env_parts.get(name, 0.0) + value
+            if done or last_round:
                 ep.record.done = True
-                continue
-            ep.record.messages += messages
-            suffix = env.renderer.suffix_ids(messages, ep.ids, stopped=ep.stopped)
-            left = env.max_tokens - len(ep.ids)
-            ep.add(suffix[:left], None)
-            if len(suffix) >= left:
-                ep.record.truncated = ep.record.done = True
-    for ep in episodes:
-        ep.record.done = True
-    if env.spec.shape == "tools" and env.spec.has_get_reward:
-        alive = [e for e, ep in enumerate(episodes) if ep.record.failure is None]
-        tic = time.perf_counter()
-        for e, reply in zip(alive, hosts.call([("reward", e, None) for e in alive])):
-            if reply.status == "failed":
-                _fail(env, episodes[e], reply, "get_reward")
-            else:
-                record = episodes[e].record
-                record.env_reward, record.env_correct, record.env_parts = reply.value
-        env_time += time.perf_counter() - tic
-    hosts.call([("close", e, None) for e, ep in enumerate(episodes) if ep.record.failure is None])
-    return env_time
+            elif observation is not None:
+                results.setdefault(e, []).append({"role": "user", "content": observation})
+        else:
+            ep.record.tool_errors += reply.status == "tool_error"
+            results.setdefault(e, []).append({"role": "tool", "name": call.name or "tool", "content": str(reply.value)})
+    for e, messages in results.items():
+        ep = episodes[e]
+        if ep.record.done or last_round:
+            ep.record.done = True
+            continue
+        ep.record.messages += messages
+        suffix = env.renderer.suffix_ids(messages, ep.ids, stopped=ep.stopped)
+        left = env.max_tokens - len(ep.ids)
+        ep.add(suffix[:left], None)
+        if len(suffix) >= left:  # no room left for a turn after it
+            ep.record.truncated = ep.record.done = True
+
+
+def _get_rewards(episodes: list[_Episode], env: Environment, hosts: EpisodeHosts) -> None:
+    """A tool class's ``get_reward()`` of each episode that did not fail."""
+    alive = [e for e, ep in enumerate(episodes) if ep.record.failure is None]
+    for e, reply in zip(alive, hosts.call([("reward", e, None) for e in alive])):
+        if reply.status == "failed":
+            _fail(env, episodes[e], reply, "get_reward")
+        else:
+            record = episodes[e].record
+            record.env_reward, record.env_correct, record.env_parts = reply.value
 
 
 def _reset_row(problem: Problem, spec: EnvSpec) -> dict:
