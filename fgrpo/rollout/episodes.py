@@ -84,6 +84,12 @@ class EpisodeRecord:
     done: bool = False
 
     @property
+    def prompt_messages(self) -> list[dict]:
+        """The first prompt's messages (a system message, the user's): all before the model's first turn."""
+        first = next((i for i, m in enumerate(self.messages) if m["role"] == "assistant"), len(self.messages))
+        return self.messages[:first]
+
+    @property
     def assistant_text(self) -> str:
         return "\n".join(m["content"] for m in self.messages if m["role"] == "assistant")
 
@@ -108,10 +114,11 @@ def sample_episodes(sampler, problems: list[Problem], env: Environment, scorer: 
                     max_new_tokens: int, temperature: float, top_p: float, seed: int | list[int],
                     ranks: Ranks = SINGLE) -> Groups:
     """``group_size`` episodes per problem, scored; ``seed`` the draw's or one per problem (as
-    :func:`~fgrpo.rollout.rollouts.sample_groups`)."""
+    :func:`~fgrpo.rollout.rollouts.sample_groups`). The ranks of a tensor-parallel engine play the same episodes
+    (their sampler calls are one engine's, the environment's calls seeded the same) and each scores them all.
+    ``verify_time_s`` of the result: the seconds in the environment's calls and the reward functions."""
     prompt_seed = seed if isinstance(seed, list) else [seed + index for index in range(len(problems))]
     episodes = [_Episode(p, prompt_seed[i] * 1_009 + g) for i, p in enumerate(problems) for g in range(group_size)]
-    start = time.perf_counter()
     env_time = 0.0
     if episodes:
         with EpisodeHosts(pool, env.spec.target, len(episodes), timeout_s=env.timeout_s, kwargs=env.kwargs,
@@ -119,8 +126,9 @@ def sample_episodes(sampler, problems: list[Problem], env: Environment, scorer: 
             env_time = _play(sampler, episodes, env, hosts, max_new_tokens=max_new_tokens, temperature=temperature,
                              top_p=top_p)
     _stop_if_failing_everywhere(env, episodes)
+    start = time.perf_counter()
     groups = _scored(episodes, env, scorer, group_size, (len(problems), group_size))
-    groups.verify_time_s += env_time
+    groups.verify_time_s = env_time + time.perf_counter() - start
     return groups
 
 
@@ -299,7 +307,7 @@ def _scored(episodes: list[_Episode], env: Environment, scorer: Scorer, group_si
     skipped = torch.zeros(shape[0], dtype=torch.bool)
     if scorer.entries:
         views = [sample_view(completion=ep.record.assistant_text, completion_ids=[t for t, m in zip(ep.ids, ep.mask) if m],
-                             prompt=ep.record.messages[:1], answer=ep.problem.answer, source=ep.problem.source,
+                             prompt=ep.record.prompt_messages, answer=ep.problem.answer, source=ep.problem.source,
                              fields=ep.problem.fields, timeout_s=scorer.timeout_s, reference=ep.problem.reference,
                              episode={"messages": ep.record.messages, "env_reward": ep.record.env_reward})
                  for ep in episodes]
