@@ -16,6 +16,7 @@ from fgrpo.rewards.entries import reward_entries
 from fgrpo.rewards.scoring import Scorer
 from fgrpo.rollout.data import arithmetic_problems, with_prompts
 from fgrpo.rollout.episodes import Environment, episode_metrics, sample_episodes
+from fgrpo.rollout.rollouts import overlong_penalties
 from fgrpo.rollout.samplers import Completion
 
 ENVS = Path(__file__).with_name("envs.py")
@@ -159,9 +160,12 @@ def test_tool_calls_well_formed_malformed_unknown_and_the_budget(tokenizer, scor
     assert record.env_reward == 0.0 and record.env_correct is False  # get_reward: the last add was not the answer
     # the budget: the same script with room for the first turn only
     short = environment("Tools", tokenizer, max_tokens=30)
-    cut = sample_episodes(Scripted(tokenizer, reply), problems(1), short, scorer, scorer.pool, group_size=2,
-                          max_new_tokens=64, temperature=1.0, top_p=1.0, seed=0).completions[0][0]
+    groups = sample_episodes(Scripted(tokenizer, reply), problems(1), short, scorer, scorer.pool, group_size=2,
+                             max_new_tokens=64, temperature=1.0, top_p=1.0, seed=0)
+    cut = groups.completions[0][0]
     assert cut.episode.truncated and len(cut.token_ids) == 30 and cut.truncated
+    # DAPO's overlong rule reads an episode's length against its budget: a cut one gets the whole penalty
+    assert overlong_penalties(groups, short.max_tokens, 10, 1.0).tolist() == [[-1.0, -1.0]]
 
 
 def test_a_class_failing_every_episode_of_the_first_batch_stops_the_run(tokenizer, scorer):
