@@ -75,7 +75,6 @@ class Renderer:
                 self._render(_DUMMY + [{"role": "tool", "content": "R"}], True)
             except Exception:  # noqa: BLE001 - jinja's errors: a template that allows user and assistant only
                 self.tool_role = "user"
-        self.eos_texts = self._eos_texts()
         if chat:
             prefix = self._render(_DUMMY, False)
             self._closing = prefix[prefix.rindex("A") + 1:]  # what the template writes after an assistant turn
@@ -83,10 +82,6 @@ class Renderer:
     def _render(self, messages: list[dict], generation: bool) -> str:
         extra = {"tools": list(self.tools)} if self.native_tools else {}
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, **extra)
-
-    def _eos_texts(self) -> list[str]:
-        ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        return [self.tokenizer.decode([i]) for i in ids]
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -13,12 +13,12 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import math
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from fgrpo.environments.spec import load_class, tool_methods
+from fgrpo.rewards.calls import Failed, outcome_of
 from fgrpo.user_code.running import call_bounded, in_worker, raised_text, seed_call, user_faults
 from fgrpo.user_code.time_limit import TimeLimitExceeded
 
@@ -147,22 +147,15 @@ def _as_text(value: Any) -> str:
 
 
 def reward_value(value: Any) -> tuple[float, bool | None, dict[str, float]] | str:
-    """A reward as ``(score, correct or None, parts)``: a number, or a dict with ``score`` (and ``correct``; its other
-    numbers are the reward's parts, logged by name); a message (str) where it is neither."""
-    if isinstance(value, dict):
-        if "score" not in value:
-            return f"returned a dict without 'score' (keys {sorted(map(str, value))[:10]})"
-        score, correct = _number(value["score"]), value.get("correct")
-        if score is None:
-            return f"returned score {value['score']!r:.60}: it must be a finite number"
-        if correct is not None and _number(correct) not in (0.0, 1.0):
-            return f"returned correct={correct!r:.60}: a verdict is True/False or 1/0"
-        parts = {str(k): n for k, v in value.items() if k not in ("score", "correct") and (n := _number(v)) is not None}
-        return score, None if correct is None else _number(correct) == 1.0, parts
-    score = _number(value)
-    if score is None:
-        return f"returned {type(value).__name__} {value!r:.60} as a reward: return a finite number or a dict with 'score'"
-    return score, None, {}
+    """A reward as ``(score, correct or None, parts)``, read as a reward function's return is
+    (:func:`fgrpo.rewards.calls.outcome_of`: a number, or a dict with ``score``, ``correct`` and other numbers, the
+    reward's parts); a message (str) where it is neither."""
+    outcome = outcome_of(value)
+    if outcome is None:
+        return "returned None as a reward: return a finite number or a dict with 'score'"
+    if isinstance(outcome, Failed):
+        return outcome.message
+    return outcome.score, outcome.correct, dict(outcome.extras)
 
 
 def step_result(value: Any) -> tuple[str | None, tuple[float, bool | None, dict], bool] | str:
@@ -186,13 +179,3 @@ def step_result(value: Any) -> tuple[str | None, tuple[float, bool | None, dict]
     if isinstance(reward, str):
         return "step " + reward
     return observation, reward, bool(done)
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, (str, bytes)) or value is None:
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return number if math.isfinite(number) else None
