@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from fgrpo.algorithm.losses import LossSettings  # noqa: E402
 from fgrpo.learner.compiled_layers import compile_decoder_layers  # noqa: E402
-from fgrpo.learner.learner import matched_micro_batches, update_policy  # noqa: E402
+from fgrpo.learner.step import matched_micro_batches, update_policy  # noqa: E402
 from fgrpo.learner.packing import Sequence  # noqa: E402
 
 GIB = 2**30

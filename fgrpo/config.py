@@ -51,7 +51,7 @@ class ModelConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = MISSING  # grpo | dapo | cispo: the policy loss in fgrpo.algorithm.losses
+    name: str = MISSING  # grpo | dapo | cispo | gspo: the policy loss in fgrpo.algorithm.losses
     clip_low: float = 0.2
     clip_high: float = 0.2
     group_size: int = 8
@@ -64,6 +64,14 @@ class AlgoConfig:
     overlong_shaping: bool = False
     overlong_buffer: int = 16
     overlong_penalty: float = 1.0
+    # the sampler/learner mismatch and the ratio's level (fgrpo.algorithm.corrections, docs/algorithms.md)
+    ratio_level: str = "token"  # token | sequence: GSPO's geometric-mean ratio (algo=gspo sets it)
+    rollout_correction: str = "none"  # none | token_truncate | token_mask | sequence_truncate | sequence_mask
+    correction_low: float = 0.5  # the masks' lower bound on pi_learner / pi_sampler
+    correction_high: float = 2.0  # the masks' upper bound, the truncation's cap
+    off_policy_mask: Optional[float] = None  # DeepSeek-V3.2's sequence mask: its threshold (e.g. 0.5); null: off
+    kl_bias_correction: bool = False  # the KL term times pi / pi_old: the unbiased reverse-KL gradient
+    old_logprobs: str = "learner"  # learner | sampler: the old policy of mini_batches > 1 (sampler: no extra pass)
 
 
 @dataclass

@@ -399,7 +399,10 @@ def advantage_settings(cfg: DictConfig) -> AdvantageSettings:
 
 def loss_settings(algo: DictConfig) -> LossSettings:
     return LossSettings(algo=algo.name, clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg,
-                        kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef)
+                        kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef, ratio_level=algo.ratio_level,
+                        rollout_correction=algo.rollout_correction, correction_low=algo.correction_low,
+                        correction_high=algo.correction_high, off_policy_mask=algo.off_policy_mask,
+                        kl_bias_correction=algo.kl_bias_correction, old_logprobs=algo.old_logprobs)
 
 
 def make_sampler(cfg: DictConfig, folder: Path, policy, tokenizer, ranks: Ranks = SINGLE) -> Sampler:

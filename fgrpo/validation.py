@@ -49,6 +49,7 @@ def validate(cfg: DictConfig | Config) -> None:
     _check_advantage(cfg, need)
     need(cfg.algo.kl_coef >= 0, "algo.kl_coef", cfg.algo.kl_coef, "must be >= 0")
     need(cfg.algo.entropy_coef >= 0, "algo.entropy_coef", cfg.algo.entropy_coef, "must be >= 0")
+    _check_corrections(cfg.algo, cfg.trainer.mini_batches, need)
     lr = learning_rate(cfg.trainer.lr, cfg.model.lora.rank)
     need(lr > 0, "trainer.lr", cfg.trainer.lr, "must be > 0 (the paper uses 1e-6), or null for the default")
     _check_lora(cfg.model.lora, need)
@@ -111,6 +112,33 @@ def validate(cfg: DictConfig | Config) -> None:
          f"must be one of {WANDB_MODES} (or unset: $WANDB_MODE, else offline)")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _check_corrections(algo, mini_batches: int, need) -> None:
+    """The ratio's level and the sampler/learner corrections (fgrpo.algorithm.corrections)."""
+    from fgrpo.algorithm.corrections import RATIO_LEVELS, ROLLOUT_CORRECTIONS, SEQUENCE_FORMS
+
+    need(algo.ratio_level in RATIO_LEVELS, "algo.ratio_level", algo.ratio_level, f"must be one of {RATIO_LEVELS}")
+    need(algo.ratio_level != "sequence" or algo.name in SEQUENCE_FORMS, "algo.ratio_level", algo.ratio_level,
+         f"algo={algo.name} has no sequence form: set algo.ratio_level=token, or use one of {SEQUENCE_FORMS}")
+    need(algo.name != "gspo" or algo.ratio_level == "sequence", "algo.ratio_level", algo.ratio_level,
+         "algo=gspo is GRPO's clip on the sequence ratio: keep algo.ratio_level=sequence, or use algo=grpo")
+    need(algo.rollout_correction in ROLLOUT_CORRECTIONS, "algo.rollout_correction", algo.rollout_correction,
+         f"must be one of {ROLLOUT_CORRECTIONS}")
+    low, high = algo.correction_low, algo.correction_high
+    need(0 < low <= 1, "algo.correction_low", low, "must be in (0, 1]: the masks keep ratios in [low, high]")
+    need(high >= 1 and high >= low, "algo.correction_high", high,
+         "must be >= 1 and >= algo.correction_low: the masks keep ratios in [low, high], the truncation caps at high")
+    need(algo.off_policy_mask is None or algo.off_policy_mask >= 0, "algo.off_policy_mask", algo.off_policy_mask,
+         "must be >= 0 (a mean log-ratio threshold, e.g. 0.5), or null for off")
+    need(algo.old_logprobs in ("learner", "sampler"), "algo.old_logprobs", algo.old_logprobs,
+         "must be learner or sampler")
+    need(algo.old_logprobs != "sampler" or mini_batches > 1, "algo.old_logprobs", algo.old_logprobs,
+         "the old policy is read only with trainer.mini_batches > 1 (one mini-batch is on-policy): set "
+         "trainer.mini_batches, or algo.old_logprobs=learner")
+    need(algo.old_logprobs != "sampler" or algo.rollout_correction == "none", "algo.rollout_correction",
+         algo.rollout_correction, "with algo.old_logprobs=sampler the ratio pi / pi_sampler already weights the "
+         "sampler's draws: set algo.rollout_correction=none, or algo.old_logprobs=learner")
 
 
 def _check_lora(lora, need) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from fgrpo.learner.packing import Sequence
 from fgrpo.learner.forward import completion_logprobs
-from fgrpo.learner.learner import update_policy
+from fgrpo.learner.step import update_policy
 from fgrpo.learner.logprobs import token_logprobs
 from fgrpo.learner.model import load_policy, load_tokenizer, resolve_model_folder
 from fgrpo.rollout.samplers import HFSampler

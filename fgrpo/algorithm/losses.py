@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fgrpo.algorithm.corrections import RATIO_LEVELS, sequence_ratio
+
 __all__ = ["ALGOS", "AGG_MODES", "LossSettings", "aggregate", "policy_loss", "per_token_policy_loss"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -30,6 +32,19 @@ class LossSettings:
     agg: str  # a name in AGG_MODES
     kl_coef: float  # 0: no KL term (the paper's setting)
     entropy_coef: float  # 0: no entropy bonus
+    # the sampler/learner mismatch and the ratio's level (fgrpo.algorithm.corrections); the defaults: today's loss
+    ratio_level: str = "token"  # token | sequence (GSPO)
+    rollout_correction: str = "none"  # a name in corrections.ROLLOUT_CORRECTIONS
+    correction_low: float = 0.5
+    correction_high: float = 2.0
+    off_policy_mask: float | None = None  # DeepSeek-V3.2's threshold on the sequence's mean log drift; None: off
+    kl_bias_correction: bool = False  # the KL term times the ratio pi / pi_old: the unbiased reverse-KL gradient
+    old_logprobs: str = "learner"  # learner | sampler: whose log-probs are the old policy of mini-batches > 1
+
+    @property
+    def drops_tokens(self) -> bool:
+        """Whether a correction may drop tokens from the loss (and so from its counts)."""
+        return self.rollout_correction.endswith("_mask") or self.off_policy_mask is not None
 
 
 def _check_token_tensors(**tensors: torch.Tensor) -> torch.Size:
@@ -109,6 +124,8 @@ def per_token_policy_loss(
     *,
     clip_low: float,
     clip_high: float,
+    ratio_level: str = "token",
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``[B, T]`` surrogate loss of one algorithm, before masking and aggregation.
 
@@ -117,6 +134,10 @@ def per_token_policy_loss(
     - ``cispo`` (Eqs. 15-16): ``-sg(clip(r, 1-clip_low, 1+clip_high)) * A * logp``. The importance weight
       is clamped on BOTH sides and detached, as the paper writes it (with clip_low=1.0, clip_high=5.0 it
       lies in [0, 6]). TRL and open-instruct clip only from above; verl clips both sides like us.
+
+    ``ratio_level="sequence"`` (GSPO; ``mask`` needed) puts the sequence's ratio, the geometric mean of its token
+    ratios (:func:`fgrpo.algorithm.corrections.sequence_ratio`), in place of each token's: GRPO's clip on it is GSPO,
+    CISPO's weight on it is CISPO's sequence form, ``-sg(clip(s)) * A * logp_t``.
 
     Returns ``(loss, ratio, clipped_low, clipped_high)``: the ``[B, T]`` loss, the ratio, and boolean
     ``[B, T]`` maps of tokens where the low / high clip changed the loss. For PPO that is where the
@@ -141,7 +162,14 @@ def per_token_policy_loss(
             f"advantages has shape {tuple(advantages.shape)}; expected [B]=({shape[0]},) or [B, T]={tuple(shape)}"
         )
     advantages = advantages.detach().to(logp.dtype)
-    ratio = torch.exp(logp - old_logp.detach())
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    if ratio_level == "token":
+        ratio = torch.exp(logp - old_logp.detach())
+    elif mask is None:
+        raise ValueError("ratio_level='sequence' needs mask, the [B, T] tokens each sequence's mean runs over")
+    else:
+        ratio = sequence_ratio(logp, old_logp, mask)
     loss, clipped_low, clipped_high = SURROGATES[algo](logp, ratio, advantages, 1.0 - clip_low, 1.0 + clip_high)
     return loss, ratio, clipped_low, clipped_high
 
@@ -157,9 +185,9 @@ def _cispo(logp, ratio, advantages, low, high):
     return -ratio.clamp(low, high).detach() * advantages * logp, ratio < low, ratio > high
 
 
-# the policy loss of each algorithm by name (config.validate reads the names): GRPO and DAPO differ only in their
-# clip values, which live in conf/algo
-SURROGATES = {"grpo": _ppo_clip, "dapo": _ppo_clip, "cispo": _cispo}
+# the policy loss of each algorithm by name (config.validate reads the names): GRPO, DAPO and GSPO differ only in
+# their clip values and GSPO in its ratio's level (algo.ratio_level=sequence), which live in conf/algo
+SURROGATES = {"grpo": _ppo_clip, "dapo": _ppo_clip, "cispo": _cispo, "gspo": _ppo_clip}
 ALGOS = tuple(SURROGATES)
 
 
@@ -184,6 +212,9 @@ def policy_loss(
     kl_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    ratio_level: str = "token",
+    weights: torch.Tensor | None = None,
+    kl_bias_correction: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss for one (micro-)batch, aggregated to a scalar.
 
@@ -198,6 +229,11 @@ def policy_loss(
             policy, added per token. Off by default (the paper uses no KL).
         entropy, entropy_coef: optional ``[B, T]`` token entropies; ``-entropy_coef * entropy`` is added
             per token. Off by default.
+        ratio_level: ``token`` or ``sequence`` (GSPO); see :func:`per_token_policy_loss`.
+        weights: optional ``[B, T]`` rollout-correction weights (no grad) on each token's policy term
+            (fgrpo.algorithm.corrections.rollout_weights); the tokens a correction masks are 0 in ``mask``.
+        kl_bias_correction: the KL term times the ratio ``pi / pi_old`` (with its gradient), DeepSeek-V3.2's
+            unbiased estimator of the reverse KL's gradient from samples of pi_old.
 
     Returns:
         ``(loss, metrics)``: the scalar loss and floats ``clip_frac_low``, ``clip_frac_high``,
@@ -206,8 +242,11 @@ def policy_loss(
     """
     _check_token_tensors(logp=logp, old_logp=old_logp, mask=mask)
     loss_mat, ratio, clipped_low, clipped_high = per_token_policy_loss(
-        algo, logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high
+        algo, logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high, ratio_level=ratio_level, mask=mask
     )
+    if weights is not None:
+        _check_token_tensors(logp=logp, weights=weights)
+        loss_mat = loss_mat * weights.detach()
     float_mask = mask.to(logp.dtype)
     metrics: dict[str, float] = {}
 
@@ -219,7 +258,8 @@ def policy_loss(
         _check_token_tensors(logp=logp, ref_logp=ref_logp)
         log_ratio_ref = ref_logp.detach() - logp
         kl_ref = torch.exp(log_ratio_ref) - log_ratio_ref - 1.0
-        loss_mat = loss_mat + kl_coef * kl_ref
+        kl_term = kl_ref * torch.exp(logp - old_logp.detach()) if kl_bias_correction else kl_ref
+        loss_mat = loss_mat + kl_coef * kl_term
         metrics["kl_ref"] = _masked_mean(kl_ref.detach(), float_mask).item()
     if entropy_coef > 0:
         if entropy is None:

@@ -115,7 +115,7 @@ def _compiled_call(layer, compiled, compiled_keeping_matmuls, eager, *args, **kw
 @contextlib.contextmanager
 def compiled_without_grad(model):
     """Inside: layers compiled for the learner only (``grad_only``, sampler=hf) run compiled where autograd does not
-    record too. The old log-probs of off-policy mini-batches (fgrpo.learner.learner.fill_old_logprobs) then come from
+    record too. The old log-probs of off-policy mini-batches (fgrpo.learner.step.fill_old_logprobs) then come from
     the kernels the update's forward runs, not eager ones: eager and compiled bf16 layers round differently, and the
     first mini-batch's ratio pi / pi_old would start off 1 (tests/learner/test_compiled_layers.py measures both). Its
     first use compiles the layers' no-grad graph (one more compile)."""

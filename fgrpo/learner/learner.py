@@ -2,31 +2,27 @@
 make an update fast on its hardware (packed rows, compiled layers, kept matmul outputs, process memory).
 
 The loop hands :meth:`Learner.update` a step's sequences with their advantages and :meth:`Learner.push_weights`
-hands the sampler the new weights. :func:`update_policy` is one optimizer step as a function of a model, for tests
-and for anyone who brings their own loop.
+hands the sampler the new weights. One optimizer step as a function of a model: fgrpo.learner.step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from fgrpo.algorithm.losses import LossSettings
 from fgrpo.infra import distributed
-from fgrpo.learner.compiled_layers import (compile_decoder_layers, compiled_without_grad, keep_matmul_outputs,
-                                           matmul_output_bytes, recompute_all_layers)
-from fgrpo.learner.forward import (SHARDED_PASS, PolicyPass, attention_width_cost, completion_logprobs, packs_one_row,
-                                   row_multiple)
-from fgrpo.algorithm.losses import LossSettings, policy_loss
-from fgrpo.learner.lora import LoraSettings, adapters_disabled, apply_lora, has_adapters, sampler_weights
-from fgrpo.learner.packing import MicroBatch, Sequence, micro_batches
 from fgrpo.infra.process_memory import release_freed_memory
+from fgrpo.learner.compiled_layers import compile_decoder_layers
+from fgrpo.learner.forward import PolicyPass
+from fgrpo.learner.lora import LoraSettings, apply_lora, has_adapters, sampler_weights
+from fgrpo.learner.packing import Sequence
 from fgrpo.learner.sharded_load import builds_on_meta, shard_from_rank0
+from fgrpo.learner.step import fill_old_logprobs, update_policy
 
 log = logging.getLogger("fgrpo")
 
@@ -147,18 +143,24 @@ class Learner:
         autocast = getattr(torch, s.autocast_dtype) if s.autocast_dtype else None
         layout = dict(pad_id=self.pad_id, temperature=s.temperature, micro_batch_size=s.micro_batch_size,
                       micro_batch_tokens=s.micro_batch_tokens, autocast_dtype=autocast, share_prompts=s.share_prompts)
-        if s.mini_batches > 1:
+        sampler_old = s.mini_batches > 1 and self.loss.old_logprobs == "sampler"
+        if sampler_old:  # verl's bypass: the sampler's log-probs are the old policy, no extra forward
+            for seq in seqs:
+                seq.old_logp = torch.tensor(seq.sampler_logp, dtype=torch.float32)
+        elif s.mini_batches > 1:
             fill_old_logprobs(self.policy, seqs, **layout)
         chunks = mini_batch_indices(distributed.gather_objects(len(seqs)), distributed.rank(), s.mini_batches)
         results = [
             update_policy(self.policy, self.optimizer, [seqs[i] for i in chunk], loss=self.loss, grad_clip=s.grad_clip,
                           max_new_tokens=s.max_new_tokens, ref_model=self.reference,
                           kept_matmul_bytes=int(s.kept_matmul_gib * 2**30), sync_grads_once=s.sync_grads_once,
-                          **layout)
-            for chunk in chunks
+                          # the learner's log-probs before the update: the old ones, or the first forward's
+                          measure_mismatch=index == 0 or not sampler_old, **layout)
+            for index, chunk in enumerate(chunks)
         ]
         self.scheduler.step()
-        out = {key: float(np.mean([r[key] for r in results])) for key in results[0]}
+        # the mismatch is measured in some mini-batches only (old_logprobs=sampler: the first)
+        out = {key: float(np.mean([r[key] for r in results if key in r])) for r0 in results for key in r0}
         out["computed_tokens"] = float(sum(r["computed_tokens"] for r in results))
         return out
 
@@ -228,181 +230,3 @@ def shard_policy(policy, *, device: str, autocast_dtype: str | None = None, cpu_
     for layer in layers if isinstance(layers, torch.nn.ModuleList) else []:
         fully_shard(layer, **options)
     fully_shard(PolicyPass(policy).attach(), **options)
-
-
-def matched_micro_batches(model, seqs: list[Sequence], *, pad_id: int, micro_batch_size: int,
-                          micro_batch_tokens: int | None, share_prompts: bool) -> tuple[list[MicroBatch], int]:
-    """``seqs``' micro-batches, then, with a sharded model, fillers up to the most any rank has; and how many are
-    real. Each forward and backward of a sharded model is a collective: a rank that ran one fewer would leave the
-    others waiting forever. A filler is one pad-token sequence whose loss counts zero."""
-    layout = dict(size=micro_batch_size, tokens=micro_batch_tokens, width_cost=attention_width_cost(model),
-                  share_prompts=share_prompts, one_row=packs_one_row(model), row_multiple=row_multiple(model))
-    micros = list(micro_batches(seqs, **layout))
-    real = len(micros)
-    most = int(distributed.max_over_ranks([real])[0])
-    if most > real:
-        filler = next(iter(micro_batches([Sequence([pad_id], [pad_id])], **layout)))
-        micros += [filler] * (most - real)
-    return micros, real
-
-
-# the loss's metrics averaged over the batch's completion tokens (those of them that the algorithm reports)
-TOKEN_WEIGHTED_METRICS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "kl_ref")
-
-
-def fill_old_logprobs(
-    model, seqs: list[Sequence], *, pad_id: int, temperature: float, micro_batch_size: int,
-    micro_batch_tokens: int | None = None, autocast_dtype: torch.dtype | None = None, share_prompts: bool = False,
-) -> None:
-    """Record each sequence's log-probs under the current (sampling) policy, for off-policy mini-batches.
-
-    Through the kernels of the update's own forward, so that the first mini-batch's ratio pi / pi_old is 1 up to
-    the rounding of another micro-batch layout (tests/learner/test_compiled_layers.py): in one process the forward
-    runs as the update's does, autograd recording (the same compiled graph; what it keeps is what one micro-batch of
-    the update keeps, less with gradient checkpointing, whose layers keep no matmul outputs here) and the graph
-    dropped after each micro-batch. A sharded policy (FSDP2 expects a backward after a recording forward) and a model with dropout
-    (it must be off here) run without autograd, their compiled layers included (:func:`compiled_without_grad`:
-    another graph of the same layers, which may round differently)."""
-    recording = not (SHARDED_PASS in vars(model) or has_dropout(model))
-    was_training = model.training
-    if recording:
-        recompute_all_layers(model)  # the update's last micro-batch set how many keep their matmul outputs: none here
-    else:
-        model.eval()
-    micros, real = matched_micro_batches(model, seqs, pad_id=pad_id, micro_batch_size=micro_batch_size,
-                                         micro_batch_tokens=micro_batch_tokens, share_prompts=share_prompts)
-    with torch.set_grad_enabled(recording), compiled_without_grad(model):
-        for index, micro in enumerate(micros):
-            logp, _, _ = completion_logprobs(
-                model, micro.seqs, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype,
-                rows=micro.rows, share_prompts=micro.share_prompts)
-            logp = logp.detach()  # the graph goes with it
-            for row, seq in enumerate(micro.seqs if index < real else []):
-                seq.old_logp = logp[row, : len(seq.completion_ids)].clone()
-    model.train(was_training)
-
-
-def has_dropout(model) -> bool:
-    """Whether ``model``'s config turns on any dropout (attention, hidden, residual ...; LLM policies have none)."""
-    config = getattr(model, "config", None)
-    return any(isinstance(value, float) and value > 0 for key, value in vars(config or object()).items()
-               if "dropout" in key)
-
-
-def update_policy(
-    model,
-    optimizer: torch.optim.Optimizer,
-    seqs: list[Sequence],
-    *,
-    loss: LossSettings,
-    pad_id: int,
-    temperature: float,
-    micro_batch_size: int,
-    grad_clip: float,
-    max_new_tokens: int,
-    micro_batch_tokens: int | None = None,
-    ref_model=None,
-    autocast_dtype: torch.dtype | None = None,
-    share_prompts: bool = False,
-    kept_matmul_bytes: int = 0,
-    sync_grads_once: bool = False,
-) -> dict[str, float]:
-    """One optimizer step on ``seqs`` with gradient accumulation over micro-batches (fgrpo.learner.packing).
-
-    The loss is aggregated with the whole step's token / sequence counts, so the accumulated gradient
-    equals the full-batch gradient. ``old_logp`` comes from each sequence when set (mini_batches > 1);
-    otherwise the batch is on-policy and old = current log-probs, detached (ratio exactly 1).
-    ``ref_model`` (frozen) is needed only for the optional KL penalty, ``loss.kl_coef > 0``.
-    ``kept_matmul_bytes``: per micro-batch, as many layers as fit in it keep their matmul outputs for
-    the backward instead of recomputing them (fgrpo.learner.compiled_layers.keep_matmul_outputs); 0 for none.
-    ``sync_grads_once`` (sharded): FSDP2 reduce-scatters the gradients after the last micro-batch only, each rank
-    accumulating unsharded gradients until then (fgrpo.learner.gpu_memory counts them), instead of after each.
-
-    Sharded (fgrpo.infra.distributed; ``seqs`` this rank's share, maybe none): the counts are the whole batch's, summed
-    over the ranks, each rank's loss is its share of the batch's, and FSDP's gradient average over the ranks is
-    undone by a factor of the world size, so the step equals one process's on the whole batch. The metrics are
-    the whole batch's too.
-    """
-    num_tokens, num_seqs = distributed.sum_over_ranks([sum(s.loss_tokens for s in seqs), len(seqs)])
-    counts = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=float(max_new_tokens))
-    world = distributed.world_size()
-    optimizer.zero_grad(set_to_none=True)
-    totals = dict.fromkeys(TOKEN_WEIGHTED_METRICS + ("entropy",), 0.0)
-    ratio_max = loss_total = 0.0
-    padded_tokens = computed_tokens = kept_slots = 0
-    kept_per_slot = matmul_output_bytes(model, autocast_dtype) if kept_matmul_bytes else 0
-    layers = model.config.num_hidden_layers
-    present: set[str] = set()  # the token-weighted metrics this loss reports
-    micros, real = matched_micro_batches(model, seqs, pad_id=pad_id, micro_batch_size=micro_batch_size,
-                                         micro_batch_tokens=micro_batch_tokens, share_prompts=share_prompts)
-    sharded_root = vars(model).get(SHARDED_PASS)
-    for index, micro in enumerate(micros):
-        if sync_grads_once and sharded_root is not None:  # every rank has as many micro-batches: the same last one
-            sharded_root.set_requires_gradient_sync(index == len(micros) - 1)
-        if index >= real:  # a filler: the same collectives as a real micro-batch, no gradient
-            micro_loss = _micro_batch_loss(model, micro, loss, counts, pad_id=pad_id, temperature=temperature,
-                                           autocast_dtype=autocast_dtype, ref_model=ref_model)[0]
-            (micro_loss * 0.0).backward()
-            continue
-        padded_tokens += micro.padded_tokens
-        computed_tokens += micro.real_tokens
-        if kept_matmul_bytes:
-            kept_layers = kept_matmul_bytes // (micro.padded_tokens * kept_per_slot)
-            keep_matmul_outputs(model, kept_layers)
-            kept_slots += micro.padded_tokens * min(kept_layers, layers)
-        micro_loss, metrics, tokens, entropy_sum = _micro_batch_loss(
-            model, micro, loss, counts, pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype,
-            ref_model=ref_model)
-        (micro_loss * world if world > 1 else micro_loss).backward()
-        loss_total += micro_loss.item()
-        present.update(key for key in TOKEN_WEIGHTED_METRICS if key in metrics)
-        for key in present.intersection(metrics):  # token-weighted: the step's mean over all its tokens
-            totals[key] += metrics[key] * tokens
-        ratio_max = max(ratio_max, metrics["ratio_max"])
-        totals["entropy"] += entropy_sum
-    grad_norm = float(distributed.whole(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)))
-    if not math.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        raise FloatingPointError("the gradient norm is not finite; lower trainer.lr or check the rewards")
-    optimizer.step()
-    # the whole batch's sums (one process: these numbers as they are)
-    loss_total, padded_tokens, computed_tokens, kept_slots, *sums = distributed.sum_over_ranks(
-        [loss_total, padded_tokens, computed_tokens, kept_slots, *totals.values(),
-         *(key in present for key in TOKEN_WEIGHTED_METRICS)])
-    ratio_max = distributed.max_over_ranks([ratio_max])[0]
-    totals, seen = dict(zip(totals, sums)), dict(zip(TOKEN_WEIGHTED_METRICS, sums[len(totals):]))
-    out = {key: value / max(counts["num_tokens"], 1.0) for key, value in totals.items() if seen.get(key, True)}
-    # computed_tokens: the token positions the forward and backward ran over, padding left out (a shared prompt once)
-    out.update(loss=loss_total, grad_norm=grad_norm, ratio_max=ratio_max, computed_tokens=float(computed_tokens),
-               padding_frac=1.0 - computed_tokens / max(padded_tokens, 1),
-               # of the layers' token slots, the share whose matmul outputs were kept instead of recomputed
-               matmuls_kept_frac=kept_slots / max(padded_tokens * layers, 1))
-    return out
-
-
-def _micro_batch_loss(model, micro: MicroBatch, loss: LossSettings, counts: dict[str, float], *, pad_id: int,
-                      temperature: float, autocast_dtype, ref_model) -> tuple[torch.Tensor, dict, float, float]:
-    """One micro-batch's share of the step's loss (aggregated with the whole step's ``counts``), its metrics, its
-    completion tokens and the sum of their entropies."""
-    rows = dict(pad_id=pad_id, temperature=temperature, autocast_dtype=autocast_dtype, rows=micro.rows,
-                share_prompts=micro.share_prompts)
-    logp, mask, entropy = completion_logprobs(model, micro.seqs, with_entropy=True,
-                                              entropy_grad=loss.entropy_coef > 0, **rows)
-    if all(s.old_logp is not None for s in micro.seqs):
-        old_logp = torch.zeros_like(logp)
-        for row, seq in enumerate(micro.seqs):
-            old_logp[row, : len(seq.completion_ids)] = seq.old_logp
-    else:
-        old_logp = logp.detach()
-    advantages = torch.tensor([s.advantage for s in micro.seqs], dtype=logp.dtype, device=logp.device)
-    ref_logp = None
-    if loss.kl_coef > 0:  # no reference model: the policy's base, its LoRA adapters off (fgrpo.learner.lora)
-        with torch.no_grad(), adapters_disabled(model) if ref_model is None else contextlib.nullcontext():
-            ref_logp, _, _ = completion_logprobs(ref_model if ref_model is not None else model, micro.seqs, **rows)
-    micro_loss, metrics = policy_loss(
-        loss.algo, logp, old_logp, advantages, mask, clip_low=loss.clip_low, clip_high=loss.clip_high, agg=loss.agg,
-        ref_logp=ref_logp, kl_coef=loss.kl_coef, entropy=entropy if loss.entropy_coef > 0 else None,
-        entropy_coef=loss.entropy_coef, **counts,
-    )
-    tokens = sum(s.loss_tokens for s in micro.seqs)  # = mask.sum(), known on the host
-    return micro_loss, metrics, float(tokens), float((entropy.detach() * mask).sum())

@@ -22,6 +22,7 @@ class Sequence:
     # an episode's (fgrpo.rollout.episodes): 1 on the tokens the model sampled, 0 on the template's, observations' and
     # tools' tokens between its turns, which are in the forward (the context) but not in the loss; None: all 1
     loss_mask: list[int] | None = None
+    sampler_logp: list[float] | None = None  # the sampler's log-prob of each completion token (algorithm.corrections)
 
     @property
     def loss_tokens(self) -> int:

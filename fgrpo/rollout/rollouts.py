@@ -239,7 +239,8 @@ def overlong_penalties(groups: Groups, max_new_tokens: int, buffer: int, penalty
 def learner_sequences(groups: Groups, advantages: torch.Tensor, prompt_ids: dict[str, list[int]]) -> list[Sequence]:
     """One sequence per non-empty completion, carrying its advantage ``advantages[p, g]``."""
     return [Sequence(completion.episode.prompt_ids if completion.episode is not None else prompt_ids[problem.id],
-                     completion.token_ids, float(advantages[i, j]), loss_mask=completion.loss_mask)
+                     completion.token_ids, float(advantages[i, j]), loss_mask=completion.loss_mask,
+                     sampler_logp=completion.logprobs)
             for i, (problem, group) in enumerate(zip(groups.problems, groups.completions))
             for j, completion in enumerate(group) if completion.token_ids]
 

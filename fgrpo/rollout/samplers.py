@@ -140,6 +140,9 @@ def vllm_engine_args(model_folder, *, dtype: str, max_model_len: int, seed: int,
         enforce_eager=enforce_eager,
         enable_prefix_caching=True,
         disable_log_stats=True,
+        # each sampled token's log-prob under the distribution it was drawn from (after the temperature), as the
+        # learner computes it: what fgrpo.algorithm.corrections compares (the default, raw, ignores the temperature)
+        logprobs_mode="processed_logprobs",
     )
     if distributed:
         kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=tensor_parallel_size)

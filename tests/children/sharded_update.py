@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fgrpo.infra import distributed  # noqa: E402
-from fgrpo.learner.learner import fill_old_logprobs, shard_policy, update_policy  # noqa: E402
+from fgrpo.learner.learner import shard_policy  # noqa: E402
+from fgrpo.learner.step import fill_old_logprobs, update_policy  # noqa: E402
 from fgrpo.learner.lora import sampler_weights  # noqa: E402
 from fgrpo.learner.segment_attention import SEGMENT_ATTENTION  # noqa: E402
 from learner_cases import algo, grouped_seqs  # noqa: E402

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fgrpo.learner.forward import completion_logprobs
-from fgrpo.learner.learner import update_policy
+from fgrpo.learner.step import update_policy
 from fgrpo.algorithm.losses import LossSettings
 from fgrpo.learner.packing import Sequence
 
@@ -36,7 +36,7 @@ def algo(name="dapo"):
 def update_grads(model, seqs, *, autocast_dtype=None, fused_head=True, loss_settings=None, micro_batch_tokens=None,
                  share_prompts=False, kept_matmul_bytes=0):
     """Loss and gradients of one on-policy update, with the LM-head path chosen by ``fused_head``."""
-    import fgrpo.learner.learner as learner
+    import fgrpo.learner.step as learner
 
     original = learner.completion_logprobs
     learner.completion_logprobs = lambda *a, **k: original(*a, **{**k, "fused_head": fused_head})

@@ -98,7 +98,7 @@ def test_selective_checkpoint_keeps_matmul_outputs_and_gives_the_eager_gradients
         tiny_model, autocast_dtype, loss_atol, grad_rel, attention):
     """hardware.keep_matmul_outputs_gib: layers that keep their matmul outputs recompute norms, attention and SiLU
     in the backward but not the matmuls; the others are recomputed whole; the update is the eager one."""
-    import fgrpo.learner.learner as learner
+    import fgrpo.learner.step as learner
     from fgrpo.learner.compiled_layers import compile_decoder_layers, matmul_output_bytes
 
     eager = copy.deepcopy(tiny_model).train()
@@ -187,7 +187,8 @@ def test_old_logprobs_come_from_the_updates_own_kernels_so_the_first_ratio_is_on
     no-autograd path of sharded models and models with dropout, through compiled layers, within 1e-3."""
     import contextlib
 
-    import fgrpo.learner.learner as learner
+    import fgrpo.learner.step as learner
+    from fgrpo.learner.learner import mini_batch_indices
     from fgrpo.learner.compiled_layers import compile_decoder_layers
     from fgrpo.learner.forward import completion_logprobs
 
@@ -206,7 +207,7 @@ def test_old_logprobs_come_from_the_updates_own_kernels_so_the_first_ratio_is_on
             learner.fill_old_logprobs(model, seqs, micro_batch_size=4, micro_batch_tokens=256, share_prompts=False,
                                       **layout)
         assert model.training
-        first = [seqs[i] for i in learner.mini_batch_indices([len(seqs)], 0, 2)[0]]
+        first = [seqs[i] for i in mini_batch_indices([len(seqs)], 0, 2)[0]]
         logp, mask, _ = completion_logprobs(model, first, **layout)  # another layout: padded rows of the half
         assert logp.requires_grad  # the update's own forward
         old = torch.zeros_like(logp)
@@ -224,7 +225,7 @@ def test_old_logprobs_keep_no_matmul_outputs_whatever_the_last_update_kept(tiny_
     count; the old log-probs' recording forward (next step, a micro-batch of another width) must keep none, or it
     would hold outputs its budget was not sized for."""
     from fgrpo.learner.compiled_layers import compile_decoder_layers, keep_matmul_outputs
-    from fgrpo.learner.learner import fill_old_logprobs
+    from fgrpo.learner.step import fill_old_logprobs
 
     model = copy.deepcopy(tiny_model)
     model.gradient_checkpointing_enable()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fgrpo.learner.forward import completion_logprobs
-from fgrpo.learner.learner import fill_old_logprobs, update_policy
+from fgrpo.learner.step import fill_old_logprobs, update_policy
 from learner_cases import algo, assert_same_update, make_seqs, reference_logprobs, update_grads
 
 

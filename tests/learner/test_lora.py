@@ -98,7 +98,7 @@ def test_fgrpo_loss_is_the_same_code_path_with_adapters(tiny_model):
 
 
 def _grads(model, seqs):
-    from fgrpo.learner.learner import update_policy
+    from fgrpo.learner.step import update_policy
 
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     metrics = update_policy(model, optimizer, seqs, loss=algo("dapo"), pad_id=0, temperature=0.8, micro_batch_size=4,
@@ -111,7 +111,7 @@ def test_the_kl_reference_is_the_base_with_the_adapters_off(tiny_model):
     perturbed adapter differs from the policy, so kl_ref > 0; with a reference copy of the base it is the same."""
     import dataclasses
 
-    from fgrpo.learner.learner import update_policy
+    from fgrpo.learner.step import update_policy
 
     model, _ = with_lora(tiny_model)
     perturb_adapters(model)
@@ -220,7 +220,7 @@ def test_an_unset_lr_is_the_default_for_what_trains_and_a_set_one_wins(compose):
 
 def test_a_checkpoint_holds_the_adapters_and_their_moments_alone_and_loads_bitwise(tiny_model, tmp_path):
     from fgrpo.infra import checkpoint
-    from fgrpo.learner.learner import update_policy
+    from fgrpo.learner.step import update_policy
 
     model, trained = with_lora(tiny_model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -251,7 +251,7 @@ def test_a_checkpoint_holds_the_adapters_and_their_moments_alone_and_loads_bitwi
 def test_a_bf16_base_trains_fp32_adapters(tiny_model):
     """hardware.learner_dtype=bfloat16 with LoRA (allowed: the base is frozen): the adapters stay fp32, get fp32
     gradients and move; the merged weights for the sampler are bf16 like the base."""
-    from fgrpo.learner.learner import update_policy
+    from fgrpo.learner.step import update_policy
 
     model, _ = with_lora(copy.deepcopy(tiny_model).to(torch.bfloat16))
     trained = [p for p in model.parameters() if p.requires_grad]

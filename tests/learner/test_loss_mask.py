@@ -13,7 +13,7 @@ import torch
 
 from fgrpo.algorithm.losses import policy_loss
 from fgrpo.learner.forward import completion_logprobs
-from fgrpo.learner.learner import update_policy
+from fgrpo.learner.step import update_policy
 from fgrpo.learner.packing import Sequence
 from learner_cases import algo, grouped_seqs, reference_logprobs
 
