@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fgrpo.infra import distributed  # noqa: E402
 from fgrpo.learner.learner import shard_policy  # noqa: E402
+from fgrpo.learner.forward import completion_logprobs  # noqa: E402
 from fgrpo.learner.step import fill_old_logprobs, update_policy  # noqa: E402
 from fgrpo.learner.lora import sampler_weights  # noqa: E402
 from fgrpo.learner.segment_attention import SEGMENT_ATTENTION  # noqa: E402
@@ -54,6 +55,18 @@ CASES = {
     "fp64-episode-masks": dict(dtype=torch.float64, loss="dapo", checkpointing=False, grad_clip=1e9,
                                layout=dict(micro_batch_size=4, micro_batch_tokens=48, share_prompts=True),
                                attention=SEGMENT_ATTENTION, masks=True),
+    # the sampler's log-probs (the model's own moved by noise): read and not used (rollout_correction=none: the same
+    # step as fp64-packed-offpolicy bit for bit), and used: tokens masked out of the loss and of its counts, which
+    # sum over the ranks (each rank drops its own), and whole sequences by the off-policy mask under seq-mean
+    "fp64-sampler-none": dict(dtype=torch.float64, loss="dapo", checkpointing=False, grad_clip=1e9,
+                              layout=dict(micro_batch_size=4, micro_batch_tokens=48, share_prompts=True),
+                              attention=SEGMENT_ATTENTION, old_logprobs=True, sampler=dict()),
+    "fp64-token-mask": dict(dtype=torch.float64, loss="grpo", checkpointing=False, grad_clip=1e9,
+                            layout=dict(micro_batch_size=3), sampler=dict(rollout_correction="token_mask")),
+    "fp64-sequence-mask-seq-mean": dict(dtype=torch.float64, loss="grpo", checkpointing=False, grad_clip=1e9,
+                                        layout=dict(micro_batch_size=4, micro_batch_tokens=48),
+                                        sampler=dict(rollout_correction="sequence_mask", correction_high=1.6,
+                                                     off_policy_mask=0.1, agg="seq-mean-token-mean")),
     "fp32-lora": dict(dtype=torch.float32, loss="grpo", checkpointing=True, grad_clip=1e9,
                       layout=dict(micro_batch_size=3), lora=True, old_logprobs=True),
 }
@@ -87,6 +100,17 @@ def _rotary_in_fp64(self, x, position_ids):
     angles = position_ids[..., None].double() * self.inv_freq.double()
     angles = torch.cat((angles, angles), dim=-1)
     return (angles.cos() * self.attention_scaling).to(x.dtype), (angles.sin() * self.attention_scaling).to(x.dtype)
+
+
+def with_sampler_logprobs(model, seqs, *, temperature):
+    """Each sequence with a sampler's log-probs: the model's own, moved by Gaussian noise (scale 0.4)."""
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        logp, _, _ = completion_logprobs(model, seqs, pad_id=0, temperature=temperature)
+    return [dataclasses.replace(s, sampler_logp=(logp[row, : len(s.completion_ids)]
+                                                 + 0.4 * torch.randn(len(s.completion_ids), generator=gen,
+                                                                     dtype=logp.dtype)).tolist())
+            for row, s in enumerate(seqs)]
 
 
 def add_adapters(model) -> None:
@@ -125,10 +149,12 @@ def one_case(case_name: str, out: Path, ranks, reductions: list[int], fsdp_alone
     autocast = case.get("autocast")
     if case.get("lora"):
         add_adapters(model)
+    seqs = grouped_seqs(PROMPTS, SAMPLES, seed=5)
+    if "sampler" in case:  # from the whole model, on every rank alike
+        seqs = with_sampler_logprobs(model, seqs, temperature=0.8)
     if ranks.world > 1 or fsdp_alone:
         shard_policy(model, device="cpu", autocast_dtype=str(autocast).removeprefix("torch.") if autocast else None)
     reductions[0] = 0
-    seqs = grouped_seqs(PROMPTS, SAMPLES, seed=5)
     if case.get("masks"):  # tokens 2-4 of each completion as an environment's (0: out of the loss)
         seqs = [dataclasses.replace(s, loss_mask=[0 if 2 <= i < 5 else 1 for i in range(len(s.completion_ids))])
                 for s in seqs]
@@ -143,6 +169,7 @@ def one_case(case_name: str, out: Path, ranks, reductions: list[int], fsdp_alone
     loss = algo(case["loss"])
     if case.get("lora"):
         loss = dataclasses.replace(loss, kl_coef=0.1)
+    loss = dataclasses.replace(loss, **case.get("sampler", {}))
     metrics = update_policy(model, optimizer, seqs, loss=loss, grad_clip=case["grad_clip"],
                             max_new_tokens=24, sync_grads_once=case.get("sync_once", False), **common)
     params = {name: distributed.whole(p).detach().clone() for name, p in model.named_parameters()}

@@ -100,6 +100,16 @@ def test_two_ranks_step_as_one_process(case, layout, steps):
             torch.testing.assert_close(two["params"][name], param, rtol=1e-12, atol=1e-12, msg=name)
 
 
+def test_the_samplers_logprobs_unused_leave_the_sharded_step_bit_for_bit_and_masks_drop_on_both_ranks(steps):
+    """rollout_correction=none with the sampler's log-probs read: the step without them, bit for bit, on 2 ranks (the
+    mismatch is measured); the masked cases drop some tokens (and whole sequences), as one process does (above)."""
+    read, plain = one_step(steps, "fp64-sampler-none", "2 ranks"), one_step(steps, "fp64-packed-offpolicy", "2 ranks")
+    assert all(torch.equal(read["params"][name], param) for name, param in plain["params"].items())
+    assert read["metrics"]["loss"] == plain["metrics"]["loss"] and read["metrics"]["mismatch/kl_token"] > 0
+    for case in ("fp64-token-mask", "fp64-sequence-mask-seq-mean"):
+        assert 0 < one_step(steps, case, "2 ranks")["metrics"]["mismatch/dropped_frac"] < 1, case
+
+
 def test_gradients_reduced_once_per_step_equal_those_reduced_each_micro_batch(steps):
     """hardware.sync_grads_once: FSDP2 reduce-scatters once per parameter group and step (3 layers and the root: 4)
     instead of once per micro-batch (4 on each rank here: 16), and the step's gradients are the same."""
