@@ -35,6 +35,10 @@ def test_paper_values_per_algorithm(compose):
     assert compose().focal.gamma == 0.0
     assert compose("algo=cispo", "focal.gamma=1.0").focal.gamma == 1.0
     assert compose("focal=fgrpo").focal.gamma == 1.0
+    gspo = compose("algo=gspo").algo  # GSPO's clip range on the sequence ratio, each sequence weighted alike
+    assert (gspo.name, gspo.ratio_level, gspo.clip_low, gspo.clip_high, gspo.loss_agg) == (
+        "gspo", "sequence", 3e-4, 4e-4, "seq-mean-token-mean")
+    assert compose().algo.rollout_correction == "none" and compose().algo.ratio_level == "token"
 
 
 def test_path_valued_overrides_stay_out_of_a_sweep_job_directory_name(compose):
@@ -99,6 +103,18 @@ def test_unknown_group_option_lists_choices(compose):
         ("advantage=w_reinforce advantage.lam=0", "advantage.lam=0: must be > 0.0 (W-REINFORCE's weight"),
         ("advantage=unlikeliness advantage.beta=1.5", "advantage.beta=1.5: must be in .0.0, 1.0. (the unlikeliness "
                                                      "penalty"),
+        ("algo.rollout_correction=token_clip", "algo.rollout_correction='token_clip': must be one of ('none', "
+                                               "'token_truncate'"),
+        ("algo.correction_low=0", "algo.correction_low=0.0: must be in (0, 1]"),
+        ("algo.correction_low=0.5 algo.correction_high=0.8", "algo.correction_high=0.8: must be >= 1 and >= "
+                                                             "algo.correction_low"),
+        ("algo.ratio_level=group", "algo.ratio_level='group': must be one of ('token', 'sequence')"),
+        ("algo=gspo algo.ratio_level=token", "algo.ratio_level='token': algo=gspo is GRPO's clip on the sequence ratio"),
+        ("algo.off_policy_mask=-1", "algo.off_policy_mask=-1.0: must be >= 0"),
+        ("algo.old_logprobs=sampler", "algo.old_logprobs='sampler': the old policy is read only with "
+                                      "trainer.mini_batches > 1"),
+        ("algo.old_logprobs=sampler trainer.mini_batches=2 algo.rollout_correction=token_mask",
+         "algo.rollout_correction='token_mask': with algo.old_logprobs=sampler the ratio"),
     ],
 )
 def test_range_checks_name_key_and_value(compose, override, message):

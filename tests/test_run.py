@@ -230,6 +230,12 @@ def test_bad_gamma_group_size_lr_fail_before_model_loads(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_bad_correction_keys_fail_before_model_loads(tmp_path):
+    stderr = run_bad(tmp_path, "algo.rollout_correction=tis", "algo.correction_high=0.5")
+    assert "algo.rollout_correction='tis': must be one of" in stderr and "algo.correction_high=0.5" in stderr
+    assert "Traceback" not in stderr and not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_unknown_group_option_lists_choices(tmp_path):
     stderr = run_bad(tmp_path, "algo=ppo")
     assert "Could not find 'algo/ppo'" in stderr and "cispo" in stderr and "dapo" in stderr

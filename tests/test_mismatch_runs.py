@@ -1,0 +1,33 @@
+"""The sampler/learner mismatch in real runs (`python run.py`, the real vLLM): a sampler in bf16 against a learner in
+fp32 logs a larger mismatch than both in fp32, and a masked correction masks some tokens there and none in fp32."""
+
+import pytest
+
+from fgrpo.infra.run_files import read_metrics
+from test_run import EAGER, TINY, run_cli
+
+# a long completion budget, the learner in fp32; bounds tight enough that a bf16 sampler's rounding crosses them and
+# an fp32 one's does not: on tiny_random (near-uniform draws) |log ratio| reached 5e-3 with bf16 (mean 1.1e-3) and
+# 1.9e-6 with fp32 (2-core AMD EPYC, AVX2)
+MEASURED = [*TINY, "trainer.steps=1", "eval.before=false", "sampler=vllm", "sampler.max_new_tokens=48",
+            "hardware.autocast_dtype=float32", "algo.rollout_correction=token_mask", "algo.correction_low=0.999",
+            "algo.correction_high=1.001", "logger=none", EAGER]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_bf16_sampler_against_an_fp32_learner_shows_the_mismatch_and_the_mask_drops_tokens(tmp_path):
+    steps = {}
+    for name, dtype, temperature in [("float32", "float32", 1.0), ("bfloat16", "bfloat16", 1.0),
+                                     ("float32 at 0.6", "float32", 0.6)]:
+        run_dir = tmp_path / name.replace(" ", "_")
+        done = run_cli(run_dir, *MEASURED, f"hardware.sampler_dtype={dtype}", f"sampler.temperature={temperature}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        steps[name] = [row for row in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in row][0]
+    fp32, bf16 = steps["float32"], steps["bfloat16"]
+    # vLLM's log-probs are those of the distribution it drew from, after the temperature, as the learner's are
+    assert steps["float32 at 0.6"]["train/mismatch/log_ratio_abs_max"] < 1e-4
+    assert bf16["train/mismatch/kl_token"] > 10 * fp32["train/mismatch/kl_token"]
+    assert bf16["train/mismatch/log_ratio_abs_max"] > 1e-3 > fp32["train/mismatch/log_ratio_abs_max"]
+    assert bf16["train/mismatch/dropped_frac"] > 0 and fp32["train/mismatch/dropped_frac"] == 0
+    assert bf16["train/mismatch/tokens_out_frac"] == pytest.approx(bf16["train/mismatch/dropped_frac"])
