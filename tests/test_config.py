@@ -109,7 +109,7 @@ def test_unknown_group_option_lists_choices(compose):
         ("algo.correction_low=0.5 algo.correction_high=0.8", "algo.correction_high=0.8: must be >= 1 and >= "
                                                              "algo.correction_low"),
         ("algo.ratio_level=group", "algo.ratio_level='group': must be one of ('token', 'sequence')"),
-        ("algo=gspo algo.ratio_level=token", "algo.ratio_level='token': algo=gspo is GRPO's clip on the sequence ratio"),
+        ("algo=gspo algo.ratio_level=token", "algo.ratio_level='token': algo=gspo is GRPO's clip on the sequence"),
         ("algo.off_policy_mask=-1", "algo.off_policy_mask=-1.0: must be >= 0"),
         ("algo.old_logprobs=sampler", "algo.old_logprobs='sampler': the old policy is read only with "
                                       "trainer.mini_batches > 1"),

@@ -31,3 +31,19 @@ def test_a_bf16_sampler_against_an_fp32_learner_shows_the_mismatch_and_the_mask_
     assert bf16["train/mismatch/log_ratio_abs_max"] > 1e-3 > fp32["train/mismatch/log_ratio_abs_max"]
     assert bf16["train/mismatch/dropped_frac"] > 0 and fp32["train/mismatch/dropped_frac"] == 0
     assert bf16["train/mismatch/tokens_out_frac"] == pytest.approx(bf16["train/mismatch/dropped_frac"])
+
+
+@pytest.mark.parametrize("options", [
+    # GSPO with the focal weight (F-GSPO), the sampler's log-probs as the old policy of two mini-batches
+    ["algo=gspo", "focal.gamma=1.0", "trainer.mini_batches=2", "algo.old_logprobs=sampler"],
+    # every other option at once: a sequence mask, DeepSeek-V3.2's off-policy mask, the bias-corrected KL, CISPO's
+    # sequence form over two mini-batches with the learner's old log-probs
+    ["algo=cispo", "algo.ratio_level=sequence", "trainer.mini_batches=2", "algo.rollout_correction=sequence_mask",
+     "algo.off_policy_mask=0.5", "algo.kl_coef=0.01", "algo.kl_bias_correction=true"],
+], ids=["f-gspo-sampler-old", "cispo-sequence-masks-kl"])
+def test_the_options_train_through_the_learner_and_log_the_mismatch(tmp_path, options):
+    done = run_cli(tmp_path, *TINY, "sampler=hf", "logger=none", EAGER, *options)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [row for row in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in row]
+    assert len(steps) == 2 and all(0 <= row["train/mismatch/kl_token"] < 1e-3 for row in steps)
+    assert all(row["train/grad_norm"] > 0 for row in steps)

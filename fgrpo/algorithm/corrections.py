@@ -92,7 +92,8 @@ def mismatch_metrics(sums: list[float], largest: float) -> dict[str, float]:
     tokens, seqs = max(total["tokens"], 1.0), max(total["seqs"], 1.0)
     return {"mismatch/kl_token": total["k3"] / tokens, "mismatch/kl_seq": total["k3"] / seqs,
             "mismatch/log_ratio_abs_mean": total["abs_log_ratio"] / tokens, "mismatch/log_ratio_abs_max": largest,
-            "mismatch/tokens_out_frac": total["tokens_out"] / tokens, "mismatch/seqs_out_frac": total["seqs_out"] / seqs}
+            "mismatch/tokens_out_frac": total["tokens_out"] / tokens,
+            "mismatch/seqs_out_frac": total["seqs_out"] / seqs}
 
 
 def sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -159,8 +159,11 @@ class Learner:
             for index, chunk in enumerate(chunks)
         ]
         self.scheduler.step()
-        # the mismatch is measured in some mini-batches only (old_logprobs=sampler: the first)
-        out = {key: float(np.mean([r[key] for r in results if key in r])) for r0 in results for key in r0}
+        # the mismatch is measured in some mini-batches only (old_logprobs=sampler: the first); its largest is the max
+        keys = dict.fromkeys(key for r in results for key in r)
+        out = {key: float((max if key == "mismatch/log_ratio_abs_max" else np.mean)([r[key] for r in results
+                                                                                    if key in r]))
+               for key in keys}
         out["computed_tokens"] = float(sum(r["computed_tokens"] for r in results))
         return out
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -127,13 +127,9 @@ def update_policy(
     counts = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=float(max_new_tokens))
     world = distributed.world_size()
     optimizer.zero_grad(set_to_none=True)
-    totals = dict.fromkeys(TOKEN_WEIGHTED_METRICS + ("entropy",), 0.0)
-    ratio_max = loss_total = largest_log_ratio = 0.0
-    padded_tokens = computed_tokens = kept_slots = dropped_tokens = dropped_seqs = 0
-    mismatch = [0.0] * len(MISMATCH_SUMS)
+    tally = _StepTally()
     kept_per_slot = matmul_output_bytes(model, autocast_dtype) if kept_matmul_bytes else 0
     layers = model.config.num_hidden_layers
-    present: set[str] = set()  # the token-weighted metrics this loss reports
     micros, real = matched_micro_batches(model, seqs, pad_id=pad_id, micro_batch_size=micro_batch_size,
                                          micro_batch_tokens=micro_batch_tokens, share_prompts=share_prompts)
     sharded_root = vars(model).get(SHARDED_PASS)
@@ -145,53 +141,80 @@ def update_policy(
                                            autocast_dtype=autocast_dtype, ref_model=ref_model, filler=True).loss
             (micro_loss * 0.0).backward()
             continue
-        padded_tokens += micro.padded_tokens
-        computed_tokens += micro.real_tokens
+        kept_layers = 0
         if kept_matmul_bytes:
             kept_layers = kept_matmul_bytes // (micro.padded_tokens * kept_per_slot)
             keep_matmul_outputs(model, kept_layers)
-            kept_slots += micro.padded_tokens * min(kept_layers, layers)
         part = _micro_batch_loss(model, micro, loss, counts, pad_id=pad_id, temperature=temperature,
                                  autocast_dtype=autocast_dtype, ref_model=ref_model, measure_mismatch=measure_mismatch)
         (part.loss * world if world > 1 else part.loss).backward()
-        loss_total += part.loss.item()
-        present.update(key for key in TOKEN_WEIGHTED_METRICS if key in part.metrics)
-        for key in present.intersection(part.metrics):  # token-weighted: the step's mean over its kept tokens
-            totals[key] += part.metrics[key] * part.kept_tokens
-        ratio_max = max(ratio_max, part.metrics["ratio_max"])
-        totals["entropy"] += part.entropy_sum
-        dropped_tokens += part.dropped_tokens
-        dropped_seqs += part.dropped_seqs
-        if part.mismatch is not None:
-            mismatch = [a + b for a, b in zip(mismatch, part.mismatch[0])]
-            largest_log_ratio = max(largest_log_ratio, part.mismatch[1])
+        tally.add(part, micro, min(kept_layers, layers))
     if loss.drops_tokens:  # the loss was divided by every token's (sequence's) count: by the kept ones' instead
-        loss_total *= _rescale_to_kept(model, counts, loss.agg, dropped_tokens, dropped_seqs)
+        tally.loss_total *= _rescale_to_kept(model, counts, loss.agg, tally.dropped_tokens, tally.dropped_seqs)
     grad_norm = float(distributed.whole(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)))
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         raise FloatingPointError("the gradient norm is not finite; lower trainer.lr or check the rewards")
     optimizer.step()
-    # the whole batch's sums (one process: these numbers as they are)
-    loss_total, padded_tokens, computed_tokens, kept_slots, dropped_tokens, *sums = distributed.sum_over_ranks(
-        [loss_total, padded_tokens, computed_tokens, kept_slots, dropped_tokens, *totals.values(),
-         *(key in present for key in TOKEN_WEIGHTED_METRICS), *mismatch])
-    ratio_max, largest_log_ratio = distributed.max_over_ranks([ratio_max, largest_log_ratio])
-    mismatch = sums[len(totals) + len(TOKEN_WEIGHTED_METRICS):]
-    totals, seen = dict(zip(totals, sums)), dict(zip(TOKEN_WEIGHTED_METRICS, sums[len(totals):]))
-    kept_tokens = counts["num_tokens"] - dropped_tokens
-    out = {key: value / max(kept_tokens if key != "entropy" else counts["num_tokens"], 1.0)
-           for key, value in totals.items() if seen.get(key, True)}
-    # computed_tokens: the token positions the forward and backward ran over, padding left out (a shared prompt once)
-    out.update(loss=loss_total, grad_norm=grad_norm, ratio_max=ratio_max, computed_tokens=float(computed_tokens),
-               padding_frac=1.0 - computed_tokens / max(padded_tokens, 1),
-               # of the layers' token slots, the share whose matmul outputs were kept instead of recomputed
-               matmuls_kept_frac=kept_slots / max(padded_tokens * layers, 1))
-    if measure_mismatch and mismatch[0] > 0:  # the sampler's log-probs were there
-        out.update(mismatch_metrics(mismatch, largest_log_ratio))
-    if loss.rollout_correction != "none" or loss.off_policy_mask is not None:
-        out["mismatch/dropped_frac"] = dropped_tokens / max(counts["num_tokens"], 1.0)
-    return out
+    corrected = loss.rollout_correction != "none" or loss.off_policy_mask is not None
+    return {**tally.whole_batch(counts, layers, dropped_frac=corrected), "grad_norm": grad_norm}
+
+
+@dataclass
+class _StepTally:
+    """What a step adds up over its micro-batches, and the whole batch's metrics from it (summed over the ranks)."""
+
+    loss_total: float = 0.0
+    ratio_max: float = 0.0
+    largest_log_ratio: float = 0.0
+    padded_tokens: int = 0
+    computed_tokens: int = 0
+    kept_slots: int = 0  # the layers' token slots whose matmul outputs were kept
+    dropped_tokens: int = 0
+    dropped_seqs: int = 0
+    totals: dict = field(default_factory=lambda: dict.fromkeys(TOKEN_WEIGHTED_METRICS + ("entropy",), 0.0))
+    present: set = field(default_factory=set)  # the token-weighted metrics this loss reports
+    mismatch: list = field(default_factory=lambda: [0.0] * len(MISMATCH_SUMS))
+
+    def add(self, part: MicroBatchLoss, micro: MicroBatch, kept_layers: int) -> None:
+        self.padded_tokens += micro.padded_tokens
+        self.computed_tokens += micro.real_tokens
+        self.kept_slots += micro.padded_tokens * kept_layers
+        self.loss_total += part.loss.item()
+        self.present.update(key for key in TOKEN_WEIGHTED_METRICS if key in part.metrics)
+        for key in self.present.intersection(part.metrics):  # token-weighted: the step's mean over its kept tokens
+            self.totals[key] += part.metrics[key] * part.kept_tokens
+        self.ratio_max = max(self.ratio_max, part.metrics["ratio_max"])
+        self.totals["entropy"] += part.entropy_sum
+        self.dropped_tokens += part.dropped_tokens
+        self.dropped_seqs += part.dropped_seqs
+        if part.mismatch is not None:
+            self.mismatch = [a + b for a, b in zip(self.mismatch, part.mismatch[0])]
+            self.largest_log_ratio = max(self.largest_log_ratio, part.mismatch[1])
+
+    def whole_batch(self, counts: dict[str, float], layers: int, *, dropped_frac: bool) -> dict[str, float]:
+        """The step's metrics over the whole batch (one process: these numbers as they are); ``mismatch/...`` where
+        the mismatch was measured, and with ``dropped_frac`` the share of tokens a correction dropped."""
+        totals = self.totals
+        loss_total, padded, computed, kept_slots, dropped, *sums = distributed.sum_over_ranks(
+            [self.loss_total, self.padded_tokens, self.computed_tokens, self.kept_slots, self.dropped_tokens,
+             *totals.values(), *(key in self.present for key in TOKEN_WEIGHTED_METRICS), *self.mismatch])
+        ratio_max, largest_log_ratio = distributed.max_over_ranks([self.ratio_max, self.largest_log_ratio])
+        mismatch = sums[len(totals) + len(TOKEN_WEIGHTED_METRICS):]
+        totals, seen = dict(zip(totals, sums)), dict(zip(TOKEN_WEIGHTED_METRICS, sums[len(totals):]))
+        kept_tokens = counts["num_tokens"] - dropped
+        out = {key: value / max(kept_tokens if key != "entropy" else counts["num_tokens"], 1.0)
+               for key, value in totals.items() if seen.get(key, True)}
+        # computed_tokens: the token positions the forward and backward ran over, padding out (a shared prompt once)
+        out.update(loss=loss_total, ratio_max=ratio_max, computed_tokens=float(computed),
+                   padding_frac=1.0 - computed / max(padded, 1),
+                   # of the layers' token slots, the share whose matmul outputs were kept instead of recomputed
+                   matmuls_kept_frac=kept_slots / max(padded * layers, 1))
+        if mismatch[0] > 0:  # measured: the sampler's log-probs were there
+            out.update(mismatch_metrics(mismatch, largest_log_ratio))
+        if dropped_frac:
+            out["mismatch/dropped_frac"] = dropped / max(counts["num_tokens"], 1.0)
+        return out
 
 
 def _rescale_to_kept(model, counts: dict[str, float], agg: str, dropped_tokens: int, dropped_seqs: int) -> float:
@@ -249,7 +272,7 @@ def _micro_batch_loss(model, micro: MicroBatch, loss: LossSettings, counts: dict
     sampler_logp = _per_token(micro.seqs, "sampler_logp", logp)
     kept, weights = (mask, None) if filler else _corrections(loss, logp, old_logp, sampler_logp, advantages, mask)
     found = None
-    if measure_mismatch and sampler_logp is not None:  # the learner's log-probs before the update, against the sampler's
+    if measure_mismatch and sampler_logp is not None:  # the learner's log-probs before the update against the sampler's
         before = logp.detach() if loss.old_logprobs == "sampler" else old_logp
         found = mismatch_sums(before, sampler_logp, mask, low=loss.correction_low, high=loss.correction_high)
     ref_logp = None
