@@ -64,7 +64,7 @@ class AlgoConfig:
     overlong_shaping: bool = False
     overlong_buffer: int = 16
     overlong_penalty: float = 1.0
-    # the sampler/learner mismatch and the ratio's level (fgrpo.algorithm.corrections, docs/algorithms.md)
+    # the sampler/learner mismatch and the ratio's level (fgrpo.algorithm.corrections, docs/algorithm.md)
     ratio_level: str = "token"  # token | sequence: GSPO's geometric-mean ratio (algo=gspo sets it)
     rollout_correction: str = "none"  # none | token_truncate | token_mask | sequence_truncate | sequence_mask
     correction_low: float = 0.5  # the masks' lower bound on pi_learner / pi_sampler

@@ -184,6 +184,7 @@ def check_inputs(cfg: DictConfig, world: int = 1, *, training: bool = True,
     if training:
         validate_layout(cfg, world)
         warn_if_same_as_grpo(cfg)
+        warn_if_truncated_sampling(cfg)
     hw = cfg.hardware
     if cfg.sampler.name == "vllm":
         require_vllm()
@@ -243,6 +244,16 @@ def warn_if_same_as_grpo(cfg: DictConfig) -> None:
                     "%s's loss has the same gradient as GRPO's; set trainer.mini_batches > 1 (the paper: 4, "
                     "mini-batches of 64 of its 256 prompts) for the off-policy updates where the algorithms differ",
                     cfg.algo.name, cfg.algo.name.upper())
+
+
+def warn_if_truncated_sampling(cfg: DictConfig) -> None:
+    """vLLM's log-probs are of the distribution it drew from, after top-p; the learner's are over the whole
+    vocabulary. With top_p < 1 the two differ by the truncation too: the mismatch metrics and the corrections see it
+    (for the importance weight that is the right ratio: the sampler did draw from the truncated distribution)."""
+    if cfg.sampler.name == "vllm" and cfg.sampler.top_p < 1:
+        log.warning("sampler.top_p=%g: vLLM's log-probs are renormalised over the top-p tokens, the learner's are over "
+                    "the whole vocabulary, so train/mismatch/* and algo.rollout_correction count the truncation as "
+                    "mismatch (docs/mismatch.md)", cfg.sampler.top_p)
 
 
 def require_flex(device: str) -> None:

@@ -131,6 +131,8 @@ def _check_corrections(algo, mini_batches: int, need) -> None:
          "must be >= 1 and >= algo.correction_low: the masks keep ratios in [low, high], the truncation caps at high")
     need(algo.off_policy_mask is None or algo.off_policy_mask >= 0, "algo.off_policy_mask", algo.off_policy_mask,
          "must be >= 0 (a mean log-ratio threshold, e.g. 0.5), or null for off")
+    need(not algo.kl_bias_correction or algo.kl_coef > 0, "algo.kl_bias_correction", True,
+         "corrects the KL term, which is off: set algo.kl_coef > 0, or algo.kl_bias_correction=false")
     need(algo.old_logprobs in ("learner", "sampler"), "algo.old_logprobs", algo.old_logprobs,
          "must be learner or sampler")
     need(algo.old_logprobs != "sampler" or mini_batches > 1, "algo.old_logprobs", algo.old_logprobs,

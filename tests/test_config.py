@@ -111,6 +111,7 @@ def test_unknown_group_option_lists_choices(compose):
         ("algo.ratio_level=group", "algo.ratio_level='group': must be one of ('token', 'sequence')"),
         ("algo=gspo algo.ratio_level=token", "algo.ratio_level='token': algo=gspo is GRPO's clip on the sequence"),
         ("algo.off_policy_mask=-1", "algo.off_policy_mask=-1.0: must be >= 0"),
+        ("algo.kl_bias_correction=true", "algo.kl_bias_correction=True: corrects the KL term, which is off"),
         ("algo.old_logprobs=sampler", "algo.old_logprobs='sampler': the old policy is read only with "
                                       "trainer.mini_batches > 1"),
         ("algo.old_logprobs=sampler trainer.mini_batches=2 algo.rollout_correction=token_mask",

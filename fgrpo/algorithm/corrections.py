@@ -9,10 +9,12 @@ difference and builds the peers' corrections, each a pure function on ``[B, T]``
   ``sampler_logp``: the sampler's of the same tokens; ``mask``: 1 on the tokens the loss counts.
 - the mismatch ratio per token ``rho_t = pi_old(y_t) / pi_sampler(y_t)``; per sequence ``rho = prod_t rho_t``.
 
-docs/algorithms.md writes each as an equation beside its config key.
+docs/algorithm.md writes each as an equation beside its config key.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -31,8 +33,9 @@ def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum(dim=-1)
 
 
-def _log_bounds(low: float, high: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.log(torch.tensor(low, dtype=dtype)), torch.log(torch.tensor(high, dtype=dtype))
+def _log_bounds(low: float, high: float) -> tuple[float, float]:
+    """The bounds in log space, as numbers (a CPU tensor as clamp's bound would not reach a CUDA tensor)."""
+    return math.log(low), math.log(high)
 
 
 def rollout_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str, *,
@@ -55,7 +58,7 @@ def rollout_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: to
         if mode.startswith("sequence"):
             log_rho = log_rho.sum(dim=-1, keepdim=True).expand_as(log_rho)
         # in log space: exp of a sequence's summed log ratio can overflow; the bounds are what matters
-        log_low, log_high = _log_bounds(low, high, log_rho.dtype)
+        log_low, log_high = _log_bounds(low, high)
         if mode.endswith("truncate"):
             return torch.exp(torch.clamp(log_rho, max=log_high)), mask
         inside = (log_rho >= log_low) & (log_rho <= log_high)
@@ -78,12 +81,13 @@ def mismatch_sums(learner_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: 
         k3 = torch.expm1(log_rho) - log_rho
         seq_log_rho = log_rho.sum(dim=-1)
         has_tokens = mask.any(dim=-1)
-        log_low, log_high = _log_bounds(low, high, log_rho.dtype)
+        log_low, log_high = _log_bounds(low, high)
         token_out = ((log_rho < log_low) | (log_rho > log_high)) & mask
         seq_out = ((seq_log_rho < log_low) | (seq_log_rho > log_high)) & has_tokens
-        sums = [mask.sum(), has_tokens.sum(), k3.sum(), log_rho.abs().sum(), token_out.sum(), seq_out.sum()]
-        largest = float(log_rho.abs().max()) if bool(mask.any()) else 0.0
-    return [float(value) for value in sums], largest
+        # one transfer to the host (a GPU would wait once, not once per number); the largest is 0 without tokens
+        *sums, largest = torch.stack([mask.sum(), has_tokens.sum(), k3.sum(), log_rho.abs().sum(), token_out.sum(),
+                                      seq_out.sum(), log_rho.abs().amax()]).tolist()
+    return sums, largest
 
 
 def mismatch_metrics(sums: list[float], largest: float) -> dict[str, float]:

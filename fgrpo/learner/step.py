@@ -252,10 +252,12 @@ def _per_token(seqs: list[Sequence], name: str, like: torch.Tensor) -> torch.Ten
     values = [getattr(seq, name) for seq in seqs]
     if any(value is None for value in values):
         return None
-    out = torch.zeros_like(like)
+    # lists (the sampler's) are laid out on the host and moved once; tensors (old log-probs) are on the device
+    on_host = all(isinstance(value, list) for value in values)
+    out = torch.zeros(like.shape, dtype=like.dtype) if on_host else torch.zeros_like(like)
     for row, value in enumerate(values):
         out[row, : len(value)] = torch.as_tensor(value, dtype=like.dtype)
-    return out
+    return out.to(like.device) if on_host else out
 
 
 def _micro_batch_loss(model, micro: MicroBatch, loss: LossSettings, counts: dict[str, float], *, pad_id: int,

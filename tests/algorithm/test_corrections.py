@@ -150,3 +150,17 @@ def test_the_bias_corrected_kl_has_the_reverse_kls_gradient():
     k3, grad_k3 = torch.exp(x) - x - 1, -(torch.exp(x) - 1)  # d k3 / d logp
     assert torch.allclose(kl_grad(False), grad_k3 / 2, atol=1e-12)
     assert torch.allclose(kl_grad(True), (grad_k3 + k3) / 2, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (none here)")])])
+def test_every_correction_runs_on_the_tensors_device(device):
+    """The bounds are numbers, not host tensors: a CUDA batch is clamped and compared where it lies."""
+    old, sampler, mask = OLD.to(device), SAMPLER.to(device), MASK.to(device)
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+        weights, kept = rollout_weights(old, sampler, mask, mode, low=0.5, high=2.0)
+        assert weights.device.type == device and kept.device.type == device
+        reference = rollout_weights(OLD, SAMPLER, MASK, mode, low=0.5, high=2.0)[0]
+        assert torch.allclose(weights.cpu(), reference)
+    sums, largest = mismatch_sums(old, sampler, mask, low=0.5, high=2.0)
+    assert (sums, largest) == mismatch_sums(OLD, SAMPLER, MASK, low=0.5, high=2.0)
