@@ -46,4 +46,7 @@ def test_the_options_train_through_the_learner_and_log_the_mismatch(tmp_path, op
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [row for row in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in row]
     assert len(steps) == 2 and all(0 <= row["train/mismatch/kl_token"] < 1e-3 for row in steps)
-    assert all(row["train/grad_norm"] > 0 for row in steps)
+    # the options reached the loss: a correction reports what it dropped, a KL term its value (tiny_random answers
+    # nothing right, so the advantages, and at the first step the KL's gradient, are 0: no gradient to assert on)
+    assert all(("train/mismatch/dropped_frac" in row) == ("algo.rollout_correction=sequence_mask" in options)
+               and ("train/kl_ref" in row) == ("algo.kl_coef=0.01" in options) for row in steps)
