@@ -1,6 +1,6 @@
 """The sampler/learner corrections inside the update (fgrpo.learner.step): ``none`` is the update without them bit for
 bit; a correction's weights multiply each token's gradient and the tokens it drops leave the loss and its count, over
-micro-batches and layouts, against the loss computed sequence by sequence. The 2-rank sharded learner with a mask:
+micro-batches and layouts, on LoRA's adapters and compiled layers, against the loss computed sequence by sequence. The 2-rank sharded learner with a mask:
 tests/learner/test_sharded.py's fp64-token-mask case."""
 
 import copy
@@ -68,7 +68,7 @@ def hand_gradients(model, seqs, mode, agg, *, low=0.5, high=2.0, off_policy=None
         terms.append(term if agg == "token-mean" else term / max(count, 1))
         kept_tokens, kept_seqs = kept_tokens + count, kept_seqs + (count > 0)
     (sum(terms) / (kept_tokens if agg == "token-mean" else kept_seqs)).backward()
-    return {n: p.grad for n, p in model.named_parameters()}, kept_tokens
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, kept_tokens
 
 
 CASES = [("token_mask", None), ("sequence_mask", None), ("token_truncate", None), ("sequence_truncate", None),
@@ -90,6 +90,50 @@ def test_the_corrected_update_is_the_loss_over_the_kept_tokens_with_their_weight
         for name, grad in expected.items():
             torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-4)
         assert metrics["mismatch/dropped_frac"] == pytest.approx(1 - kept / total)
+
+
+def lora_policy(model):
+    from test_lora import perturb_adapters, with_lora
+
+    policy, _ = with_lora(model)
+    perturb_adapters(policy, seed=4)
+    return policy, policy
+
+
+def compiled_policy(model):
+    """The fast path's learner: segment attention, gradient checkpointing, compiled decoder layers (the expected
+    gradients come from the same weights run eager)."""
+    from fgrpo.learner.compiled_layers import compile_decoder_layers
+    from fgrpo.learner.segment_attention import SEGMENT_ATTENTION
+
+    policy = copy.deepcopy(model)
+    policy.set_attn_implementation(SEGMENT_ATTENTION)
+    policy.gradient_checkpointing_enable()
+    torch._dynamo.reset()  # other tests' graphs of these layers' code count towards its recompile limit
+    assert compile_decoder_layers(policy, grad_only=True) == 2
+    return model, policy
+
+
+@pytest.mark.parametrize("path", ["lora", "compiled"])
+def test_a_correction_on_the_lora_and_compiled_learners_is_the_loss_over_the_kept_tokens(tiny_model, path):
+    """The same check as above for token_mask with the off-policy mask, on LoRA's adapters (the base frozen: no
+    gradient) and on compiled layers, packed as the default run packs."""
+    eager, policy = (lora_policy if path == "lora" else compiled_policy)(tiny_model)
+    seqs = with_sampler_logprobs(eager, grouped_seqs(3, 4, seed=1), noise=0.4, seed=2)
+    expected, kept = hand_gradients(eager, seqs, "token_mask", "token-mean", off_policy=0.1)
+    total = sum(len(s.completion_ids) for s in seqs)
+    assert 0 < kept < total
+    loss = dataclasses.replace(algo("grpo"), rollout_correction="token_mask", off_policy_mask=0.1)
+    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
+    metrics = update_policy(policy, optimizer, seqs, loss=loss, pad_id=0, temperature=1.0, grad_clip=1e9,
+                            max_new_tokens=24, micro_batch_size=4, micro_batch_tokens=64)
+    grads = {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}
+    assert grads.keys() == expected.keys()
+    if path == "lora":
+        assert grads and all(".lora_" in name for name in grads)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-4)
+    assert metrics["mismatch/dropped_frac"] == pytest.approx(1 - kept / total)
 
 
 def test_the_samplers_logprobs_as_the_old_policy_give_the_ratio_to_the_sampler(tiny_model):
