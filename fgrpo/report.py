@@ -35,6 +35,7 @@ sign-flip test (:mod:`fgrpo.evaluation.seed_stats`); a pair whose cells ran diff
     python -m fgrpo.report DIR --variance     # run-to-run variance split: training / problem x seed / sampling
     python -m fgrpo.report DIR --plan --effect 4 --alpha 0.01 [--power 0.8] [--metric pass@16]  # pairs needed
     python -m fgrpo.report DIR --plan --effect 4 --problems 240 --samples 32  # projected to another evaluation
+    python -m fgrpo.report DIR --plan --metric collapse --collapse-gap 5 --effect 30  # collapse rates (exact test)
     python -m fgrpo.report DIR --confirm PLAN.yaml  # a pre-registered analysis (fgrpo.evaluation.confirmatory)
     python -m fgrpo.report DIR --confirm PLAN.yaml --out OUT  # also OUT/analysis.txt and OUT/analysis.png
 
@@ -55,7 +56,8 @@ from fgrpo.evaluation.sweep_report import (SIGNIFICANCE_ITERATIONS, build_table,
                                            significance_columns, significance_note)
 from fgrpo.evaluation.sweep_runs import (ReportError, check_same_config, find_missing_jobs, find_runs, largest_final_k,
                                        pass_at_ks)
-from fgrpo.evaluation.analysis_plan import Plan, load_plan
+from fgrpo.evaluation.analysis_plan import COLLAPSE, Plan, load_plan
+from fgrpo.evaluation.collapse import CollapseRule, collapse_plan_text
 from fgrpo.evaluation.confirm_figure import plot_confirmatory
 from fgrpo.evaluation.confirmatory import analysis
 from fgrpo.evaluation.seed_planner import plan_text
@@ -143,8 +145,11 @@ def stats_report(sweep_dir: Path, *, variance: bool = False, plan: dict | None =
     if variance:
         header, rows, notes = variance_table(runs)
         parts.append("\n".join([f"Variance split over seeds: {sweep_dir}", format_text(header, rows), *notes]))
-    if plan is not None:
-        parts.append(plan_text(runs, **plan))
+    if plan is not None and plan["metric"] == COLLAPSE:
+        rule = CollapseRule(plan["collapse_high"], "pass@1", plan["collapse_gap"])
+        parts.append(collapse_plan_text(runs, rule, effect=plan["effect"], alpha=plan["alpha"], power=plan["power"]))
+    elif plan is not None:
+        parts.append(plan_text(runs, **{k: v for k, v in plan.items() if not k.startswith("collapse_")}))
     return "\n\n".join(parts)
 
 
@@ -185,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--effect", type=float, default=None, help="with --plan: the effect to detect, in points")
     parser.add_argument("--alpha", type=float, default=0.05, help="with --plan: two-sided level (default 0.05)")
     parser.add_argument("--power", type=float, default=0.8, help="with --plan: power (default 0.8)")
-    parser.add_argument("--metric", default="pass@16", help="with --plan: the metric (default pass@16)")
+    parser.add_argument("--metric", default="pass@16",
+                        help="with --plan: the metric (default pass@16), or collapse (with --collapse-gap)")
+    parser.add_argument("--collapse-gap", type=float, default=None,
+                        help="with --metric collapse: a run collapsed when its --collapse-high - pass@1 is below this "
+                             "many points")
+    parser.add_argument("--collapse-high", default="pass@16", help="with --metric collapse (default pass@16)")
     parser.add_argument("--confirm", type=Path, default=None, metavar="PLAN.yaml",
                         help="print the pre-registered tests of this plan file (refused until every run is done)")
     parser.add_argument("--problems", type=int, default=None,
@@ -197,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--plan needs --effect > 0, the difference to detect in points, e.g. --effect 4")
     if args.plan and not (0 < args.alpha < 1 and 0 < args.power < 1):
         parser.error(f"--alpha and --power must be in (0, 1), got {args.alpha} and {args.power}")
+    if args.metric == COLLAPSE and not (args.collapse_gap is not None and 0 < args.collapse_gap < 100):
+        parser.error("--metric collapse needs --collapse-gap G (0 < G < 100 points): a run collapsed when its "
+                     f"{args.collapse_high} - pass@1 is below G")
+    if args.metric == COLLAPSE and (args.problems is not None or args.samples is not None):
+        parser.error("--problems and --samples project a pass@k metric, not collapse")
     if (args.problems is not None or args.samples is not None) and not args.plan:
         parser.error("--problems and --samples go with --plan")
     if any(value is not None and value < 1 for value in (args.problems, args.samples)):
@@ -213,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.variance or args.plan:
             plan = (dict(effect=args.effect, alpha=args.alpha, power=args.power, metric=args.metric,
-                         problems=args.problems, samples=args.samples) if args.plan else None)
+                         problems=args.problems, samples=args.samples, collapse_gap=args.collapse_gap,
+                         collapse_high=args.collapse_high) if args.plan else None)
             print(stats_report(args.sweep_dir, variance=args.variance, plan=plan, seeds=args.seeds))
             return 0
         print(report(args.sweep_dir, args.out, significance_iterations=args.significance_iterations, seeds=args.seeds))

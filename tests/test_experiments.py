@@ -58,6 +58,35 @@ def test_arith_confirm_composes_to_its_preregistered_settings(compose):
     assert (len(train), len(held_out)) == (960, 240) and held_out[:60] == pilot_held_out
 
 
+def test_countdown_pilot_holds_out_240_of_all_483_problems_and_evaluates_the_first_120(compose):
+    # conf/experiment/countdown_pilot.yaml (issue 74's pilot): the README's Countdown task with every distinct
+    # problem, 30 steps at lr 1e-5, fp32, evaluated once after training at 32 samples a problem
+    import importlib.util
+
+    arms = {("focal.gamma=0",): ("focal", 0.0), ("focal.gamma=1",): ("focal", 1.0),
+            ("advantage=mean_focal", "focal.gamma=1"): ("mean_focal", 1.0)}  # as scripts/countdown_pilot.sh runs them
+    for arm, (method, gamma) in arms.items():
+        cfg = compose("experiment=countdown_pilot", *arm, "seed=2")
+        assert (cfg.advantage.name, cfg.focal.gamma, cfg.seed, cfg.algo.name) == (method, gamma, 2, "grpo")
+        assert (cfg.trainer.steps, cfg.trainer.lr, cfg.trainer.mini_batches) == (30, 1e-5, 1)
+        assert (cfg.eval.n_samples, cfg.eval.max_problems, cfg.eval.every, cfg.eval.before) == (32, 120, 0, False)
+        assert cfg.hardware.autocast_dtype is None and cfg.hardware.sampler_dtype == "float32"
+    spec = importlib.util.spec_from_file_location("countdown", Path(__file__).parents[1] / "examples/countdown/countdown.py")
+    countdown = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(countdown)
+    args = dict(cfg.dataset.generator_args)
+    rows = countdown.generate(**args)
+    held_out, train = rows[: cfg.dataset.generator_n_eval], rows[cfg.dataset.generator_n_eval:]
+    assert (len(held_out), len(train)) == (240, 243)
+    assert not {(r["numbers"], r["target"]) for r in held_out} & {(r["numbers"], r["target"]) for r in train}
+    assert rows[:60] == countdown.generate(**{**args, "count": 300})[:60]  # the README's 60 held-out problems first
+    try:
+        countdown.generate(**{**args, "count": 484})
+        raise AssertionError("483 is every distinct problem of these settings")
+    except ValueError as error:
+        assert "only 483 distinct problems" in str(error)
+
+
 def test_the_committed_runs_compose_again_to_what_they_ran(compose):
     """A default changed later must not change a shipped experiment: each committed run's overrides compose to its
     saved config, by the comparison a resume makes (the keys that change what is learned)."""

@@ -6,6 +6,8 @@ The committed example is docs/results/arith_confirm/analysis_plan.yaml; the anal
     arms:        {name: {algo: grpo, advantage: focal, gamma: 0}, ...}   # the report's cells
     seeds:       [3, 4, ...]                                             # every arm must have every one
     primary:     {a: ARM, b: ARM, metric: pass@16, alpha: 0.01}          # two-sided paired t
+                 {a: ARM, b: ARM, metric: collapse, alpha: 0.01}         # or: exact McNemar on collapse rates
+    collapse:    {high: pass@16, low: pass@1, gap: 5}                    # with metric collapse: the rule
     equivalence: {margin: 3, alpha: 0.05}                                # TOST: the only way to call a null
     then:        [{a, b, metric, alpha, [non_inferiority_margin]}, ...]  # in order, each if the one before passed
     reported:    [pass@1, rare_nll_delta, ...]                           # per arm, untested
@@ -13,13 +15,17 @@ The committed example is docs/results/arith_confirm/analysis_plan.yaml; the anal
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from fgrpo.evaluation.collapse import CollapseRule
 from fgrpo.evaluation.sweep_runs import ReportError
 
 EXAMPLE = "docs/results/arith_confirm/analysis_plan.yaml"
-_TOP_KEYS = {"arms": True, "seeds": True, "primary": True, "equivalence": True, "then": False, "reported": False}
+_TOP_KEYS = {"arms": True, "seeds": True, "primary": True, "equivalence": True, "then": False, "reported": False,
+             "collapse": False}
+COLLAPSE = "collapse"  # the metric of a comparison of collapse rates (fgrpo.evaluation.collapse)
 _COMPARISON_KEYS = {"a", "b", "metric", "alpha", "non_inferiority_margin"}
 
 
@@ -41,6 +47,7 @@ class Plan:
     equivalence_alpha: float
     then: tuple[Comparison, ...]
     reported: tuple[str, ...]
+    collapse: CollapseRule | None = None  # the rule of the comparisons whose metric is "collapse"
 
 
 class _PlanError(ValueError):
@@ -76,6 +83,31 @@ def _comparison(raw, where: str, arms: dict) -> Comparison:
                       None if margin is None else _number(margin, f"{where}.non_inferiority_margin", 0, float("inf")))
 
 
+def _collapse_rule(raw) -> CollapseRule:
+    rule = _mapping(raw, "collapse", {"high", "low", "gap"}, {"high", "low", "gap"})
+    ks = []
+    for side in ("high", "low"):
+        match = re.fullmatch(r"pass@(\d+)", str(rule[side]))
+        if not match:
+            raise _PlanError(f"collapse.{side} must be a pass@k metric, e.g. pass@16, got {rule[side]!r}")
+        ks.append(int(match.group(1)))
+    if ks[0] <= ks[1]:
+        raise _PlanError(f"collapse.high ({rule['high']}) must be a larger k than collapse.low ({rule['low']})")
+    return CollapseRule(str(rule["high"]), str(rule["low"]), _number(rule["gap"], "collapse.gap", 0, 100))
+
+
+def _check_collapse_comparisons(comparisons: list[Comparison], rule: CollapseRule | None, names: list[str]) -> None:
+    for c, where in zip(comparisons, names):
+        if c.metric != COLLAPSE:
+            continue
+        if rule is None:
+            raise _PlanError(f"{where}.metric is collapse but the plan has no collapse rule: add "
+                             "collapse: {high: pass@16, low: pass@1, gap: 5}")
+        if c.non_inferiority_margin is not None:
+            raise _PlanError(f"{where}: a collapse rate is tested by the exact McNemar test, which has no "
+                             "non-inferiority form here: leave out non_inferiority_margin")
+
+
 def parse_plan(raw) -> Plan:
     """A Plan from the loaded YAML; raises _PlanError naming the first bad key."""
     top = _mapping(raw, "the plan", set(_TOP_KEYS), {k for k, required in _TOP_KEYS.items() if required})
@@ -100,12 +132,15 @@ def parse_plan(raw) -> Plan:
             raise _PlanError(f"then[{i}].alpha {c.alpha:g} is above the primary's {primary.alpha:g}: a fixed "
                              "sequence keeps the family-wise error at the primary's alpha only with follow-ups at or "
                              "below it")
+    rule = _collapse_rule(top["collapse"]) if top.get("collapse") is not None else None
+    _check_collapse_comparisons([primary, *follow_ups], rule,
+                                ["primary", *(f"then[{i}]" for i in range(len(follow_ups)))])
     reported = top.get("reported") or []
     if not isinstance(reported, list) or not all(isinstance(m, str) for m in reported):
         raise _PlanError(f"reported must be a list of metric names, e.g. [pass@1, rare_nll_delta], got {reported!r}")
     return Plan(arms, tuple(str(s) for s in seeds), primary,
                 _number(equivalence["margin"], "equivalence.margin", 0, float("inf")),
-                _number(equivalence["alpha"], "equivalence.alpha", 0, 0.5), follow_ups, tuple(reported))
+                _number(equivalence["alpha"], "equivalence.alpha", 0, 0.5), follow_ups, tuple(reported), rule)
 
 
 def load_plan(path: Path) -> Plan:

@@ -12,6 +12,9 @@ Tests on the per-seed differences d_s = a_s - b_s (points), S pairs, t with S - 
 - equivalence (:func:`equivalence_test`): two one-sided tests (TOST) against +-margin; equivalent when both
   p < alpha, i.e. when the (1 - 2 alpha) interval lies within (-margin, +margin);
 - non-inferiority (:func:`non_inferiority_test`): one-sided test that mean(d) > -margin at alpha.
+- a collapse rate (metric ``collapse``, the plan's rule): the exact McNemar test over seeds
+  (:mod:`fgrpo.evaluation.collapse`) decides; d_s = 100 (a_s collapsed - b_s collapsed), so the mean of d is the
+  difference of the two rates in points, and its t interval (and the TOST of a null) is an approximation beside it.
 
 A significant two-sided result opens the next test whichever way it points (the plan's words: "if the one before it
 is significant"); each line says which way (a above or below b). The plan file: :mod:`fgrpo.evaluation.analysis_plan`.
@@ -25,7 +28,8 @@ from typing import Sequence
 import numpy as np
 from scipy import stats
 
-from fgrpo.evaluation.analysis_plan import Comparison, Plan
+from fgrpo.evaluation.analysis_plan import COLLAPSE, Comparison, Plan
+from fgrpo.evaluation.collapse import CollapseRule, mcnemar_exact
 from fgrpo.evaluation.seed_stats import (cell_label, cell_seeds, check_same_eval_settings, config_cells,
                                          final_counts, paired_seed_test, without_spread)
 from fgrpo.evaluation.sweep_runs import ReportError, Run
@@ -114,8 +118,15 @@ def arm_runs(runs: list[Run], plan: Plan) -> dict[str, list[Run]]:
     return out
 
 
-def arm_values(arms: dict[str, list[Run]], arm: str, metric: str) -> np.ndarray:
-    """[S] each run's final eval/<metric> in points, in the plan's seed order."""
+def arm_values(arms: dict[str, list[Run]], arm: str, metric: str, rule: CollapseRule | None = None) -> np.ndarray:
+    """[S] each run's final eval/<metric> in points, in the plan's seed order (metric collapse: 100 where the run
+    collapsed by ``rule``, else 0)."""
+    if metric == COLLAPSE:
+        try:
+            return np.array([100.0 * rule.collapsed(run.final) for run in arms[arm]])
+        except KeyError:
+            raise ReportError(f"the collapse rule ({rule.text()}): a run of {arm} logged no eval/{rule.high} "
+                              f"or eval/{rule.low}") from None
     try:
         return np.array([100 * run.final[f"eval/{metric}"] for run in arms[arm]])
     except KeyError:
@@ -147,6 +158,23 @@ def _superiority_step(label: str, c: Comparison, values_a: np.ndarray, values_b:
     return TestedStep(label, c, values_a - values_b, line, significant, 1 - c.alpha, (test.ci_low, test.ci_high))
 
 
+def _collapse_step(label: str, c: Comparison, values_a: np.ndarray, values_b: np.ndarray,
+                   rule: CollapseRule) -> TestedStep:
+    test = mcnemar_exact(values_a > 0, values_b > 0)
+    significant = test.p <= c.alpha
+    side = f"{c.a} collapsed more often than {c.b}" if test.rate_difference > 0 else \
+        f"{c.a} collapsed less often than {c.b}"
+    low, high = mean_interval(values_a - values_b, 1 - c.alpha)
+    pairs = test.pairs
+    line = (f"{label}: {c.a} − {c.b}, collapse rate ({rule.text()}): {c.a} {int(np.sum(values_a > 0))} of {pairs}, "
+            f"{c.b} {int(np.sum(values_b > 0))} of {pairs}, difference {test.rate_difference:+.1f} points; discordant "
+            f"seeds: only {c.a} collapsed {test.only_a}, only {c.b} {test.only_b}; exact McNemar p = {test.p:.4f} "
+            f"(alpha {c.alpha:g}: " + (f"significant, {side}" if significant else "not significant")
+            + f"); {100 * (1 - c.alpha):g}% paired t interval of the difference (approximate) "
+            f"[{low:+.1f}, {high:+.1f}]")
+    return TestedStep(label, c, values_a - values_b, line, significant, 1 - c.alpha, (low, high))
+
+
 def _equivalence_line(plan: Plan, eq: OneSidedResult) -> str:
     return (f"Equivalence (TOST at {plan.equivalence_alpha:g}, margin ±{plan.equivalence_margin:g}): "
             f"{100 * (1 - 2 * plan.equivalence_alpha):g}% interval [{eq.ci_low:+.2f}, {eq.ci_high:+.2f}], "
@@ -171,9 +199,13 @@ def tested_steps(arms: dict[str, list[Run]], plan: Plan) -> tuple[list[TestedSte
         if not passed:
             lines.append(f"{label}: {c.a} − {c.b}, {c.metric}: not tested (the test before it did not pass)")
             continue
-        a, b = arm_values(arms, c.a, c.metric), arm_values(arms, c.b, c.metric)
-        step = (_superiority_step(label, c, a, b) if c.non_inferiority_margin is None
-                else _non_inferiority_step(label, c, a - b))
+        a, b = arm_values(arms, c.a, c.metric, plan.collapse), arm_values(arms, c.b, c.metric, plan.collapse)
+        if c.metric == COLLAPSE:
+            step = _collapse_step(label, c, a, b, plan.collapse)
+        elif c.non_inferiority_margin is None:
+            step = _superiority_step(label, c, a, b)
+        else:
+            step = _non_inferiority_step(label, c, a - b)
         lines.append(step.line)
         passed = step.passed
         if i == 0 and not passed:
@@ -230,6 +262,10 @@ def _reported_lines(arms: dict[str, list[Run]], plan: Plan) -> list[str]:
     lines = []
     for name, runs in arms.items():
         parts = []
+        if plan.collapse is not None:
+            collapsed = [r for r in runs if all(f"eval/{m}" in r.final for m in (plan.collapse.high, plan.collapse.low))
+                         and plan.collapse.collapsed(r.final)]
+            parts.append(f"collapsed ({plan.collapse.text()}) {len(collapsed)} of {len(runs)}")
         for metric in plan.reported:
             key = f"eval/{metric}"
             lacking = sum(key not in r.final for r in runs)

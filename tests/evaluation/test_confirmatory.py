@@ -60,7 +60,7 @@ def test_the_committed_plan_is_the_pre_registration():
 
 
 @pytest.mark.parametrize("change, message", [
-    (("then:", "than:"), "the plan has unknown key than (known: arms, equivalence, primary, reported, seeds, then)"),
+    (("then:", "than:"), "the plan has unknown key than (known: arms, collapse, equivalence, primary, reported, seeds, then)"),
     (("b: control", "b: contrl"), "then[0].b names arm 'contrl', which arms does not define (grpo, fgrpo, control)"),
     (("non_inferiority_margin: 3", "ni_margin: 3"), "then[1] has unknown key ni_margin"),
     (("pass@1, alpha: 0.01", "pass@1, alpha: 0.05"), "then[1].alpha 0.05 is above the primary's 0.01"),

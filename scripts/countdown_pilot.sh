@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The pilot of the Countdown confirmatory run (issue 74, docs/results.md; exploratory, not in the confirmatory set):
+# for each seed given, GRPO, F-GRPO (gamma 1) and the step-size control, one run after another, with
+# conf/experiment/countdown_pilot.yaml. Each run checkpoints every 10 steps, so the same command after a kill resumes
+# the run it cut (trainer.resume); a finished run (its summary.json written) is skipped, its checkpoints deleted
+# (1.6 GB each). Each run records the CPU that ran it in cpu_kind.txt.
+#
+#   bash scripts/countdown_pilot.sh 0 1 2        # seeds 0, 1, 2: nine runs
+set -euo pipefail
+(( $# )) || { echo "usage: bash scripts/countdown_pilot.sh SEED [SEED ...]" >&2; exit 2; }
+repo=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-$repo/.venv/bin/python}
+out=${COUNTDOWN_PILOT_DIR:-$repo/outputs/countdown_pilot}
+rare=$repo/docs/results/countdown_pilot/rare_set
+[[ -d $rare ]] || { echo "no $rare: build the rare-trajectory set first (docs/results.md)" >&2; exit 2; }
+kind=$(grep -o 'avx512_bf16\|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ' || true)
+cpu="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs): ${kind:-AVX2 only}"
+arms=("grpo focal.gamma=0" "fgrpo focal.gamma=1" "control advantage=mean_focal focal.gamma=1")
+for seed in "$@"; do
+    for arm in "${arms[@]}"; do
+        name=${arm%% *}; overrides=${arm#* }
+        run=$out/runs/${name}_seed$seed
+        if [[ -f $run/summary.json ]]; then
+            echo "seed $seed, $name: finished ($run), skipped" >&2; rm -rf "$run/checkpoints"; continue
+        fi
+        echo "seed $seed, $name ($overrides): $run" >&2
+        mkdir -p "$run" && echo "$cpu" >> "$run/cpu_kind.txt"
+        (cd "$repo" && "$python" run.py experiment=countdown_pilot $overrides "seed=$seed" logger=none \
+            "eval.rare_set=$rare" trainer.checkpoint_every=10 trainer.keep_checkpoints=1 "hydra.run.dir=$run")
+        rm -rf "$run/checkpoints"
+    done
+done
