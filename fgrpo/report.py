@@ -48,6 +48,7 @@ e.g. trainer.mini_batches), but refuse runs evaluated differently.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -207,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--plan needs --effect > 0, the difference to detect in points, e.g. --effect 4")
     if args.plan and not (0 < args.alpha < 1 and 0 < args.power < 1):
         parser.error(f"--alpha and --power must be in (0, 1), got {args.alpha} and {args.power}")
+    if args.metric != COLLAPSE and args.collapse_gap is not None:
+        parser.error("--collapse-gap goes with --metric collapse")
+    if args.metric == COLLAPSE and not re.fullmatch(r"pass@([2-9]|[1-9]\d+)", args.collapse_high):
+        parser.error(f"--collapse-high must be pass@k with k > 1, got {args.collapse_high}")
     if args.metric == COLLAPSE and not (args.collapse_gap is not None and 0 < args.collapse_gap < 100):
         parser.error("--metric collapse needs --collapse-gap G (0 < G < 100 points): a run collapsed when its "
                      f"{args.collapse_high} - pass@1 is below G")

@@ -15,22 +15,27 @@ out=${COUNTDOWN_PILOT_DIR:-$repo/outputs/countdown_pilot}
 rare=$repo/docs/results/countdown_pilot/rare_set
 [[ -d $rare ]] || { echo "no $rare: build the rare-trajectory set first (docs/results.md)" >&2; exit 2; }
 kind=$(grep -o 'avx512_bf16\|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ' || true)
-cpu="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs): ${kind:-AVX2 only}"
+cpu="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs || true): ${kind:-AVX2 only}"
+keep_small_files() {  # $1: the run directory, $2: where its small files are committed
+    rm -rf "$2" && mkdir -p "$2"
+    cp -r "$1/.hydra" "$1/metrics.jsonl" "$1/eval_counts.jsonl" "$1/summary.json" "$1/cpu_kind.txt" "$2/"
+}
 arms=("grpo focal.gamma=0" "fgrpo focal.gamma=1" "control advantage=mean_focal focal.gamma=1")
 for seed in "$@"; do
     for arm in "${arms[@]}"; do
         name=${arm%% *}; overrides=${arm#* }
         run=$out/runs/${name}_seed$seed
+        keep=$repo/docs/results/countdown_pilot/runs/${name}_seed$seed
         if [[ -f $run/summary.json ]]; then
-            echo "seed $seed, $name: finished ($run), skipped" >&2; rm -rf "$run/checkpoints"; continue
+            echo "seed $seed, $name: finished ($run), skipped" >&2; rm -rf "$run/checkpoints"
+            [[ -f $keep/summary.json ]] || keep_small_files "$run" "$keep"  # killed before its copy
+            continue
         fi
         echo "seed $seed, $name ($overrides): $run" >&2
         mkdir -p "$run" && echo "$cpu" >> "$run/cpu_kind.txt"
         (cd "$repo" && "$python" run.py experiment=countdown_pilot $overrides "seed=$seed" logger=none \
             "eval.rare_set=$rare" trainer.checkpoint_every=10 trainer.keep_checkpoints=1 "hydra.run.dir=$run")
         rm -rf "$run/checkpoints"
-        keep=$repo/docs/results/countdown_pilot/runs/${name}_seed$seed
-        rm -rf "$keep" && mkdir -p "$keep"
-        cp -r "$run/.hydra" "$run/metrics.jsonl" "$run/eval_counts.jsonl" "$run/summary.json" "$run/cpu_kind.txt" "$keep/"
+        keep_small_files "$run" "$keep"
     done
 done

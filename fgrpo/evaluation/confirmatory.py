@@ -208,7 +208,11 @@ def tested_steps(arms: dict[str, list[Run]], plan: Plan) -> tuple[list[TestedSte
             step = _non_inferiority_step(label, c, a - b)
         lines.append(step.line)
         passed = step.passed
-        if i == 0 and not passed:
+        if i == 0 and not passed and c.metric == COLLAPSE and without_spread(step.differences):
+            # every seed concordant: the t interval has no width, and a null cannot be read from it
+            lines.append(f"Equivalence (TOST at {plan.equivalence_alpha:g}, margin ±{plan.equivalence_margin:g}): "
+                         "not assessable, every seed concordant (no spread): inconclusive")
+        elif i == 0 and not passed:
             eq = equivalence_test(step.differences, plan.equivalence_margin, plan.equivalence_alpha)
             step = replace(step, equivalence=(eq.ci_low, eq.ci_high))
             lines.append(_equivalence_line(plan, eq))
@@ -263,9 +267,11 @@ def _reported_lines(arms: dict[str, list[Run]], plan: Plan) -> list[str]:
     for name, runs in arms.items():
         parts = []
         if plan.collapse is not None:
-            collapsed = [r for r in runs if all(f"eval/{m}" in r.final for m in (plan.collapse.high, plan.collapse.low))
-                         and plan.collapse.collapsed(r.final)]
-            parts.append(f"collapsed ({plan.collapse.text()}) {len(collapsed)} of {len(runs)}")
+            rule = plan.collapse
+            read = [r for r in runs if all(f"eval/{m}" in r.final for m in (rule.high, rule.low))]
+            parts.append(f"collapsed ({rule.text()}) {sum(rule.collapsed(r.final) for r in read)} of {len(read)}"
+                         + (f" ({len(runs) - len(read)} runs lack {rule.high} or {rule.low})" if len(read) < len(runs)
+                            else ""))
         for metric in plan.reported:
             key = f"eval/{metric}"
             lacking = sum(key not in r.final for r in runs)

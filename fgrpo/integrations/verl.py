@@ -3,7 +3,7 @@
     pip install fgrpo       # beside verl; the package's verl.plugins entry point registers the estimator on
                             # `import verl` (verl >= 0.9), or name it: VERL_USE_EXTERNAL_MODULES=fgrpo.integrations.verl
     python -m verl.trainer.main_ppo algorithm.adv_estimator=fgrpo +algorithm.fgrpo_gamma=1.0 \\
-        +algorithm.fgrpo_success_threshold=1.0 ...
+        +algorithm.fgrpo_success_threshold=0.5 ...
 
 The advantage is verl's own GRPO outcome advantage (``compute_grpo_outcome_advantage``: each response's score, its
 token-level rewards summed, centred on its group's mean (the group: the responses sharing a ``uid``) and divided by
@@ -46,8 +46,8 @@ def settings(config) -> tuple[float, float, bool]:
         raise ValueError(f"algorithm.{GAMMA_KEY} must be a number >= 0 (0 is verl's GRPO), got {gamma!r}")
     if threshold is None:
         raise ValueError(f"algorithm.adv_estimator=fgrpo needs +algorithm.{THRESHOLD_KEY}=T: a response succeeded "
-                         "when its score (summed token-level reward) is >= T, e.g. 1.0 for 1/0 rewards or 0.5 for "
-                         "+1/-1 ones (docs/integrations.md)")
+                         "when its score (summed token-level reward) is >= T; take a T between the wrong and the "
+                         "correct score, e.g. 0.5 for 1/0 rewards or 0 for +1/-1 ones (docs/integrations.md)")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
         raise ValueError(f"algorithm.{THRESHOLD_KEY} must be a finite number, got {threshold!r}")
     return float(gamma), float(threshold), bool(_setting(config, "norm_adv_by_std_in_grpo", True))

@@ -39,6 +39,15 @@ def test_mcnemar_counts_the_discordant_seeds_and_is_scipys_binomial_test_on_them
         mcnemar_exact([True], [True, False])
 
 
+def test_the_rejection_regions_are_scipys_exact_p_at_or_below_alpha():
+    from fgrpo.evaluation.collapse import _rejecting
+
+    for m in range(1, 41):
+        for alpha in (0.01, 0.05, 1 / 16):
+            expected = [stats.binomtest(k, m, 0.5).pvalue <= alpha for k in range(m + 1)]
+            assert _rejecting(m, alpha).tolist() == expected, (m, alpha)
+
+
 def test_the_power_is_the_rejection_rate_of_simulated_seeds_and_at_most_alpha_under_the_null():
     rng = np.random.default_rng(1)
     for pairs, rate_a, rate_b in [(30, 0.4, 0.8), (20, 0.3, 0.6)]:
@@ -105,6 +114,9 @@ def test_a_collapse_primary_runs_the_exact_test_and_reports_each_arms_rate(tmp_p
                           plan)
     assert "exact McNemar p = 1.0000 (alpha 0.01: not significant)" in even[2]
     assert even[3].startswith("Equivalence (TOST at 0.05, margin ±3): 90% interval [")  # in points of the rate
+    alike = analysis_lines(make_runs({"grpo": split_runs(0), "fgrpo": split_runs(0), "control": split_runs(0)}), plan)
+    assert alike[3] == ("Equivalence (TOST at 0.05, margin ±3): not assessable, every seed concordant (no spread): "
+                        "inconclusive")  # 0 of 16 each: the rates may still differ
 
 
 def test_the_planner_reads_the_pilots_gaps_and_sizes_the_exact_test(tmp_path, capsys):
@@ -117,6 +129,10 @@ def test_the_planner_reads_the_pilots_gaps_and_sizes_the_exact_test(tmp_path, ca
     assert lines[grpo + 1].startswith(f"  from its rate 0.75 to 0.35: {pairs_needed_mcnemar(0.75, 0.35, 0.01, 0.9)} ")
     assert lines[-1].startswith(f"at the hardest rates, 0.70 against 0.30: "
                                 f"{pairs_needed_mcnemar(0.7, 0.3, 0.01, 0.9)} pairs (power 0.9")
-    with pytest.raises(SystemExit):
-        main([str(tmp_path), "--plan", "--effect", "40", "--metric", "collapse"])
-    assert "--metric collapse needs --collapse-gap G" in capsys.readouterr().err
+    for argv, message in [(["--metric", "collapse"], "--metric collapse needs --collapse-gap G"),
+                          (["--metric", "collapse", "--collapse-gap", "5", "--collapse-high", "pass@1"],
+                           "--collapse-high must be pass@k with k > 1"),
+                          (["--collapse-gap", "5"], "--collapse-gap goes with --metric collapse")]:
+        with pytest.raises(SystemExit):
+            main([str(tmp_path), "--plan", "--effect", "40", *argv])
+        assert message in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """fgrpo.integrations.trl: real TRL GRPOTrainer runs (two steps, the tiny random Llama, CPU) with FocalGRPOTrainer.
 The advantages the loss reads are fgrpo's F-GRPO advantages of the same rewards under every ``scale_rewards``
 option (gamma 0: TRL's own), the verdict being one reward column of two; on two gloo ranks a group straddles them
-and each rank's slice carries its group's weight. Also the refusals: a TRL it does not know, a verdict it cannot
+and each rank's slice carries its groups' weights. Also the refusals: a TRL it does not know, a verdict it cannot
 find."""
 
 import json
@@ -89,12 +89,19 @@ def test_on_two_ranks_a_group_straddles_them_and_each_slice_has_its_groups_weigh
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    misplaced = 0
     for step in range(2):
         rewards = torch.tensor(ranks[0][step]["rewards"])
-        assert rewards.tolist() == ranks[1][step]["rewards"]  # both ranks gathered the same [4, 2] rewards
-        assert rewards.shape == (4, 2)  # one group of 4, two completions on each rank
+        assert rewards.tolist() == ranks[1][step]["rewards"]  # both ranks gathered the same [12, 2] rewards
+        assert rewards.shape == (12, 2)  # three groups of 4, six completions on each rank: group 1 straddles them
         trained = torch.tensor(ranks[0][step]["advantages"] + ranks[1][step]["advantages"]).double()
-        torch.testing.assert_close(trained, expected_advantages(rewards, "group", 1.0, 4), atol=2e-6, rtol=1e-5)
+        expected = expected_advantages(rewards, "group", 1.0, 4)
+        torch.testing.assert_close(trained, expected, atol=2e-6, rtol=1e-5)
+        # had rank 1 weighed its slice as rank 0's (a wrong slice start), would this step have caught it?
+        weights = focal_weight((rewards[:, 0] >= 1).double().view(-1, 4), 1.0).repeat_interleave(4)
+        unweighted = expected / torch.where(weights > 0, weights, 1.0)
+        misplaced += not torch.allclose(weights[:6] * unweighted[6:], expected[6:], atol=1e-6)
+    assert misplaced >= 1
 
 
 def test_an_unknown_trl_or_verdict_is_refused_naming_it(model_folder, tmp_path):

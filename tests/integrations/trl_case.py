@@ -54,6 +54,7 @@ def recording_trainer(model_folder: Path, out_dir: Path, *, scale_rewards: str, 
 
 if __name__ == "__main__":  # torchrun --nproc_per_node 2 trl_case.py MODEL_FOLDER OUT SCALE GAMMA
     folder, out, scale, gamma = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], float(sys.argv[4])
-    trainer = recording_trainer(folder, out, scale_rewards=scale, gamma=gamma, per_device=2, generations=4)
+    # 6 completions a rank, groups of 4: rank 0 holds group 0 and half of group 1, rank 1 the rest of 1 and group 2
+    trainer = recording_trainer(folder, out, scale_rewards=scale, gamma=gamma, per_device=6, generations=4)
     trainer.train()
     (out / f"rank{trainer.accelerator.process_index}.json").write_text(json.dumps(trainer.records))
