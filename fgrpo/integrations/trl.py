@@ -41,6 +41,17 @@ def check_trl_version(version: str = trl.__version__) -> None:
                           f"{version}: install trl=={SUPPORTED_TRL[-1]}.*")
 
 
+def _check_verdict(verdict: str | None, reward_funcs) -> None:
+    """Where every reward function is a plain function (named by its ``__name__``, as TRL names it), a verdict that
+    names none of them is refused before TRL loads the model; reward models are checked after, by TRL's names."""
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if verdict is None or not all(callable(f) and not isinstance(f, torch.nn.Module) for f in funcs):
+        return
+    names = [f.__name__ for f in funcs]
+    if verdict not in names:
+        raise ValueError(f"verdict={verdict!r} names no reward function of this trainer; they are {names}")
+
+
 class FocalGRPOTrainer(GRPOTrainer):
     """TRL's GRPOTrainer with F-GRPO's focal weight on each group's advantages (module docstring).
 
@@ -59,6 +70,7 @@ class FocalGRPOTrainer(GRPOTrainer):
         if isinstance(success_threshold, bool) or not isinstance(success_threshold, (int, float)) \
                 or not math.isfinite(success_threshold):
             raise ValueError(f"success_threshold must be a finite number, got {success_threshold!r}")
+        _check_verdict(verdict, kwargs.get("reward_funcs", args[1] if len(args) > 1 else None))  # before the model loads
         super().__init__(*args, **kwargs)
         names = list(self.reward_func_names)
         if verdict is None and len(names) != 1:

@@ -121,6 +121,8 @@ def test_an_unknown_trl_or_verdict_is_refused_naming_it(model_folder, tmp_path):
     rewards = [trl_case.solved, trl_case.length_bonus]
     with pytest.raises(ValueError, match=r"verdict='accuracy' names no reward function .* \['solved', 'length_bonus'\]"):
         FocalGRPOTrainer(reward_funcs=rewards, verdict="accuracy", **given)
+    with pytest.raises(ValueError, match=r"verdict='accuracy' names no reward function"):  # before any model loads
+        FocalGRPOTrainer("/no/such/model", rewards, verdict="accuracy", args=made.args)
     with pytest.raises(ValueError, match=r"needs verdict=NAME, the reward function that says solved, among \['solved'"):
         FocalGRPOTrainer(reward_funcs=rewards, **given)
     with pytest.raises(ValueError, match=r"focal_gamma must be a number >= 0"):
