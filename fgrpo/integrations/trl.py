@@ -70,7 +70,8 @@ class FocalGRPOTrainer(GRPOTrainer):
         if isinstance(success_threshold, bool) or not isinstance(success_threshold, (int, float)) \
                 or not math.isfinite(success_threshold):
             raise ValueError(f"success_threshold must be a finite number, got {success_threshold!r}")
-        _check_verdict(verdict, kwargs.get("reward_funcs", args[1] if len(args) > 1 else None))  # before the model loads
+        # before the model loads
+        _check_verdict(verdict, kwargs.get("reward_funcs", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
         names = list(self.reward_func_names)
         if verdict is None and len(names) != 1:

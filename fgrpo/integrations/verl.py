@@ -70,8 +70,9 @@ def group_weights(scores: torch.Tensor, index: np.ndarray, gamma: float, thresho
     return weights
 
 
-def fgrpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray | None = None,
-                            config=None, epsilon: float = 1e-6, **_) -> tuple[torch.Tensor, torch.Tensor]:
+def fgrpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                            index: np.ndarray | None = None, config=None, epsilon: float = 1e-6,
+                            **_) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's estimator interface: ``token_level_rewards``, ``response_mask`` [bs, response_length], ``index`` [bs]
     uids, ``config`` the ``algorithm`` node. Returns (advantages, returns), both [bs, response_length], equal, as
     verl's GRPO returns them."""

@@ -61,7 +61,8 @@ def test_converted_runs_are_what_the_report_and_its_planner_read(tmp_path, capsy
 
 
 @pytest.mark.parametrize("records, options, message", [
-    ([{"id": "a", "correct": 1}], {}, "record 1 has no 'problem' (its keys: id, correct); name the problem id's column"),
+    ([{"id": "a", "correct": 1}], {},
+     "record 1 has no 'problem' (its keys: id, correct); name the problem id's column"),
     ([{"problem": "a", "ok": 1}], {}, "record 1 has no 'correct'"),
     ([{"problem": "a", "correct": "maybe"}], {}, "record 1: correct='maybe' is not a verdict"),
     ([{"problem": "a", "correct": 1}] * 2 + [{"problem": "b", "correct": 0}], {},

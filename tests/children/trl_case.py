@@ -1,5 +1,6 @@
 """A two-step TRL GRPOTrainer run with fgrpo's FocalGRPOTrainer on the tiny random Llama, recording what each step
-trains on: used in-process by test_trl.py and, on two ranks, as ``torchrun ... trl_case.py OUT SCALE GAMMA``."""
+trains on: used in-process by tests/integrations/test_trl.py and, on two ranks, as
+``torchrun --nproc_per_node 2 trl_case.py MODEL_FOLDER OUT SCALE GAMMA``."""
 
 from __future__ import annotations
 
