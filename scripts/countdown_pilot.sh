@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The pilot of the Countdown confirmatory run (issue 74, docs/results.md; exploratory, not in the confirmatory set):
+# The pilot of the Countdown confirmatory run (docs/countdown-pilot.md; exploratory, not in the confirmatory set):
 # for each seed given, GRPO, F-GRPO (gamma 1) and the step-size control, one run after another, with
 # conf/experiment/countdown_pilot.yaml. Each run checkpoints every 10 steps, so the same command after a kill resumes
 # the run it cut (trainer.resume); a finished run (its summary.json written) is skipped, its checkpoints deleted
@@ -13,7 +13,7 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-$repo/.venv/bin/python}
 out=${COUNTDOWN_PILOT_DIR:-$repo/outputs/countdown_pilot}
 rare=$repo/docs/results/countdown_pilot/rare_set
-[[ -d $rare ]] || { echo "no $rare: build the rare-trajectory set first (docs/results.md)" >&2; exit 2; }
+[[ -d $rare ]] || { echo "no $rare: build the rare-trajectory set first (docs/countdown-pilot.md)" >&2; exit 2; }
 kind=$(grep -o 'avx512_bf16\|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ' || true)
 cpu="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs || true): ${kind:-AVX2 only}"
 keep_small_files() {  # $1: the run directory, $2: where its small files are committed
