@@ -6,7 +6,8 @@
 # (1.6 GB each). Each run records the CPU that ran it in cpu_kind.txt; a finished run's small files are copied to
 # docs/results/countdown_pilot/runs/<arm>_seed<SEED>/ for committing.
 #
-#   bash scripts/countdown_pilot.sh 0 1 2        # seeds 0, 1, 2: nine runs
+#   bash scripts/countdown_pilot.sh 0 1 2                          # seeds 0, 1, 2: nine runs
+#   PILOT_ARMS="grpo fgrpo" bash scripts/countdown_pilot.sh 1 2    # only these arms (the primary's pair first)
 set -euo pipefail
 (( $# )) || { echo "usage: bash scripts/countdown_pilot.sh SEED [SEED ...]" >&2; exit 2; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,9 +22,14 @@ keep_small_files() {  # $1: the run directory, $2: where its small files are com
     cp -r "$1/.hydra" "$1/metrics.jsonl" "$1/eval_counts.jsonl" "$1/summary.json" "$1/cpu_kind.txt" "$2/"
 }
 arms=("grpo focal.gamma=0" "fgrpo focal.gamma=1" "control advantage=mean_focal focal.gamma=1")
+wanted=${PILOT_ARMS:-grpo fgrpo control}
+for w in $wanted; do
+    [[ " grpo fgrpo control " == *" $w "* ]] || { echo "PILOT_ARMS: no arm '$w' (grpo, fgrpo, control)" >&2; exit 2; }
+done
 for seed in "$@"; do
     for arm in "${arms[@]}"; do
         name=${arm%% *}; overrides=${arm#* }
+        [[ " $wanted " == *" $name "* ]] || continue
         run=$out/runs/${name}_seed$seed
         keep=$repo/docs/results/countdown_pilot/runs/${name}_seed$seed
         if [[ -f $run/summary.json ]]; then

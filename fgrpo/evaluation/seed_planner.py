@@ -46,6 +46,7 @@ from fgrpo.evaluation.sweep_runs import ReportError, Run, pass_at_ks
 MOST_PAIRS = 100  # the planner's search range is 2..MOST_PAIRS
 PLAN_SAMPLES = (16, 32, 64)  # the samples per problem the projection tabulates (those k <= n' <= the pilot's n)
 VARIANCE_FLOOR = 0.01  # points², sd 0.1 point: a projected variance below it is clamped (the t-test needs sd > 0)
+SD_UPPER_CONFIDENCE = 0.8  # the one-sided confidence of the pilot sd's upper limit that the planner also sizes for
 
 
 # ---------------------------------------------------------------- pairs needed
@@ -67,6 +68,16 @@ def pairs_needed(effect: float, sd: float, alpha: float, power: float, most: int
     if effect <= 0 or sd <= 0 or not 0 < alpha < 1 or not 0 < power < 1:
         raise ValueError(f"need effect > 0, sd > 0, 0 < alpha < 1, 0 < power < 1; got {effect}, {sd}, {alpha}, {power}")
     return next((n for n in range(2, most + 1) if paired_t_power(n, effect, sd, alpha) >= power), None)
+
+
+def sd_upper_limit(sd: float, df: int, confidence: float = SD_UPPER_CONFIDENCE) -> float:
+    """The one-sided ``confidence`` upper limit of a normal sd estimated as ``sd`` on ``df`` degrees of freedom:
+    sd sqrt(df / chi2_{1-confidence, df}). A pilot's sd runs low more often than high (its median is below the true
+    sd), and a run sized on a low one is underpowered; sized on this limit (Browne 1995, at 80%), a run reaches the
+    power with that probability at least. The factor: 2.12 at df 2, 1.56 at df 4, 1.27 at df 10."""
+    if df < 1:
+        raise ValueError(f"need df >= 1 for an upper limit, got {df}")
+    return float(sd * np.sqrt(df / stats.chi2.ppf(1 - confidence, df)))
 
 
 def expected_half_width(pairs: int, sd: float, confidence: float = 0.90) -> float:
@@ -163,9 +174,9 @@ def _pooled_sd(groups: list[np.ndarray]) -> tuple[float, int]:
     return float(np.sqrt(sum(np.sum((g - g.mean()) ** 2) for g in groups) / df)), df
 
 
-def pilot_difference_sd(cells: dict, metric: str) -> tuple[float, str]:
-    """(sd in points, where it came from): the pooled sd of the per-seed paired differences over the compared
-    pairs (on the seeds both cells have), else sqrt(2) x the pooled seed sd."""
+def pilot_difference_sd(cells: dict, metric: str) -> tuple[float, int, str]:
+    """(sd in points, its df, where it came from): the pooled sd of the per-seed paired differences over the
+    compared pairs (on the seeds both cells have), else sqrt(2) x the pooled seed sd."""
     differences, used = [], []
     for key, base in compared_pairs(cells):
         common = [s for s in cell_seeds(cells[key]) if s in cell_seeds(cells[base])]
@@ -176,11 +187,11 @@ def pilot_difference_sd(cells: dict, metric: str) -> tuple[float, str]:
             used.append(f"{cell_label(key)} vs {cell_label(base)} ({len(common)} seeds)")
     if differences:
         sd, df = _pooled_sd(differences)
-        return sd, (f"the pooled sd of the per-seed paired differences, {df} df, over {len(used)} pairs: "
+        return sd, df, (f"the pooled sd of the per-seed paired differences, {df} df, over {len(used)} pairs: "
                     + "; ".join(used))
     seed_sd, df = _pooled_sd([np.array([100 * r.final[f"eval/{metric}"] for r in c]) for c in cells.values()])
-    return np.sqrt(2) * seed_sd, (f"no pair of cells shares two seeds: sqrt(2) x the pooled seed sd ({seed_sd:.2f} "
-                                  f"points, {df} df, pooled over the cells), i.e. pairing assumed to gain nothing")
+    return np.sqrt(2) * seed_sd, df, (f"no pair of cells shares two seeds: sqrt(2) x the pooled seed sd ({seed_sd:.2f} "
+                                      f"points, {df} df, pooled over the cells), i.e. pairing assumed to gain nothing")
 
 
 def _pairs_lines(effect: float, sd: float, alpha: float, power: float, prefix: str = "") -> list[str]:
@@ -199,7 +210,8 @@ def plan_text(runs: list[Run], *, effect: float, alpha: float, power: float, met
               problems: int | None = None, samples: int | None = None) -> str:
     """``--plan``: the seed pairs a two-sided paired t-test needs to detect ``effect`` points of ``metric`` at
     ``alpha`` with ``power``, from the sd of the pilot runs' per-seed differences (:func:`pilot_difference_sd`),
-    and the 90% interval half-width expected under no effect at that many pairs. With ``problems`` or ``samples``
+    and the 90% interval half-width expected under no effect at that many pairs; the same at that sd's upper
+    confidence limit (:func:`sd_upper_limit`). With ``problems`` or ``samples``
     (default the pilot's own): the same projected to that evaluation design (:func:`projection_lines`)."""
     check_same_eval_settings(runs)
     cells = config_cells(runs)
@@ -210,11 +222,15 @@ def plan_text(runs: list[Run], *, effect: float, alpha: float, power: float, met
                           "pass one of those")
     if max(len(cell_runs) for cell_runs in cells.values()) < 2:
         raise no_spread_error(cells, "--plan")
-    sd, source = pilot_difference_sd(cells, metric)
+    sd, df, source = pilot_difference_sd(cells, metric)
+    upper = sd_upper_limit(sd, df)
     lines = [f"Seed planner, {metric}: detect {effect:g} points with a two-sided paired t-test at alpha {alpha:g}, "
              f"power {power:g}",
              f"sd of a per-seed difference: {sd:.2f} points ({source})",
-             *_pairs_lines(effect, sd, alpha, power)]
+             *_pairs_lines(effect, sd, alpha, power),
+             f"its {SD_UPPER_CONFIDENCE:.0%} upper confidence limit ({df} df): {upper:.2f} points (a pilot's sd runs "
+             "low more often than high; sized on this limit, a run reaches the power with probability 0.8)",
+             *_pairs_lines(effect, upper, alpha, power, prefix="at the upper limit: ")]
     if problems is not None or samples is not None:
         lines += projection_lines(cells, metric, sd ** 2, effect=effect, alpha=alpha, power=power,
                                   problems=problems, samples=samples)

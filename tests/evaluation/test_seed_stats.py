@@ -11,7 +11,8 @@ from scipy import stats
 
 from fgrpo.evaluation.seed_planner import (VARIANCE_FLOOR, _Design, binomial_sampling_variance, clamped,
                                            expected_half_width, paired_interaction, paired_t_power, pairs_needed,
-                                           plan_text, projected_sampling_variance, projected_variance)
+                                           plan_text, projected_sampling_variance, projected_variance,
+                                           sd_upper_limit)
 from fgrpo.evaluation.seed_stats import (check_same_eval_settings, config_cells, paired_seed_test, paired_values,
                                          per_problem_pass_at_k, sampling_variance, sign_flip_p, variance_split)
 from fgrpo.evaluation.sweep_runs import ReportError, Run
@@ -286,3 +287,18 @@ def test_plan_pools_the_paired_differences_and_names_both_cells_of_each_pair():
     assert (f"sd of a per-seed difference: {np.sqrt(12.5):.2f} points (the pooled sd of the per-seed paired "
             "differences, 4 df, over 2 pairs: ") in text
     assert "dapo, gamma=1 vs dapo, gamma=0 (3 seeds)" in text and "grpo, gamma=1 vs grpo, gamma=0 (3 seeds)" in text
+    upper = np.sqrt(12.5) * np.sqrt(4 / stats.chi2.ppf(0.2, 4))  # the sd's 80% upper limit on its 4 df
+    assert f"its 80% upper confidence limit (4 df): {upper:.2f} points" in text
+    assert f"at the upper limit: seed pairs needed: {pairs_needed(5.0, upper, 0.05, 0.8)} (power" in text
+
+
+def test_the_upper_limit_of_a_pilot_sd_covers_the_true_sd_at_its_confidence():
+    """Browne's limit: over many pilots of 3 normal values (df 2), the true sd lies below the limit 80% of the time,
+    where the sd itself lies below the true one more than half the time."""
+    assert sd_upper_limit(1.0, 2) == pytest.approx(2.117, abs=1e-3) and sd_upper_limit(1.0, 4) == pytest.approx(
+        1.558, abs=1e-3)
+    sds = np.random.default_rng(0).normal(size=(20_000, 3)).std(axis=1, ddof=1)
+    covered = np.mean([sd_upper_limit(sd, 2) >= 1.0 for sd in sds])
+    assert abs(covered - 0.8) < 0.01 and np.mean(sds < 1.0) > 0.6
+    with pytest.raises(ValueError, match="df >= 1"):
+        sd_upper_limit(1.0, 0)
