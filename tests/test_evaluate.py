@@ -89,6 +89,7 @@ def test_the_vllm_sampler_evaluates_the_bundled_model_at_many_samples(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_counts(eval_dir)
     assert len(rows) == 6 and {row["n"] for row in rows} == {64} and {row["step"] for row in rows} == {None}
+    assert "evaluating arithmetic (6 x 64): 100%" in done.stderr  # vLLM's progress bar, under the evaluation's label
     metrics = read_metrics(eval_dir / "metrics.jsonl")[0]
     for k in (1, 2, 4, 8, 16, 32, 64):
         assert pass_at_k_from_counts(rows, k) == pytest.approx(metrics[f"eval/pass@{k}"], abs=1e-12)
@@ -107,6 +108,7 @@ def test_a_tiny_run_s_checkpoint_evaluates_from_its_folder_with_its_step(tmp_pat
     done = cli("fgrpo.evaluate", eval_dir, *tiny, f"eval.model={run_dir}/checkpoints/step_0000001")
     assert done.returncode == 0, done.stderr[-3000:]
     assert (eval_dir / "model" / "config.json").is_file()  # the checkpoint, exported
+    assert "evaluating arithmetic (8 x 8): 100%" in done.stderr  # the HF sampler's progress bar over its batches
     assert {row["step"] for row in read_counts(eval_dir)} == {1}
     assert_counts_give_the_logged_pass_at_k(eval_dir, n=8, problems=8)
 

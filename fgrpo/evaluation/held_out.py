@@ -53,7 +53,8 @@ def evaluate(sampler, eval_sets: dict[str, list[Problem]], prompt_ids: dict[str,
         padded = problems + problems[-1:] * (-len(problems) % ranks.data_parallel_size)
         groups = draw_groups(sampler, ranks.share(padded, of_engine=True), prompt_ids, scorer, environment,
                              group_size=n_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                             seed=ranks.share(prompt_seeds(seed, len(padded)), of_engine=True), ranks=ranks)
+                             seed=ranks.share(prompt_seeds(seed, len(padded)), of_engine=True), ranks=ranks,
+                             progress=_bar_label(name, len(problems), n_samples, ranks))
         # one engine's ranks drew the same: the problems of the first rank of each engine, in order
         mine = (_per_problem(groups), groups.reward_errors) if ranks.rank % ranks.tensor_parallel == 0 else ([], 0)
         parts = gather_objects(mine)
@@ -87,6 +88,11 @@ def evaluate(sampler, eval_sets: dict[str, list[Problem]], prompt_ids: dict[str,
         return metrics, next(iter(curves.values())), count_rows
     return metrics, [(k, metrics[f"eval/pass@{k}"], metrics[f"eval/pass@{k}_ci_low"],
                       metrics[f"eval/pass@{k}_ci_high"]) for k in ks], count_rows
+
+
+def _bar_label(name: str, problems: int, n_samples: int, ranks: Ranks) -> str | None:
+    """The evaluation's progress bar label, on the first rank only (one bar per run, not one per rank)."""
+    return f"evaluating {name} ({problems} x {n_samples})" if ranks.rank == 0 else None
 
 
 ProblemOutcome = tuple  # (correct count or None where skipped, {reward name: (sum, samples)})

@@ -374,12 +374,12 @@ def episode_metrics(groups: Groups, prefix: str) -> dict[str, float]:
 
 def draw_groups(sampler, problems: list[Problem], prompt_ids: dict[str, list[int]], scorer: Scorer,
                 environment: Environment | None, *, group_size: int, max_new_tokens: int, temperature: float,
-                top_p: float, seed: int | list[int], ranks: Ranks = SINGLE) -> Groups:
-    """A draw's groups: single samples (:func:`~fgrpo.rollout.rollouts.sample_groups`), or episodes where the run has
-    an environment."""
+                top_p: float, seed: int | list[int], ranks: Ranks = SINGLE, progress: str | None = None) -> Groups:
+    """A draw's groups: single samples (:func:`~fgrpo.rollout.rollouts.sample_groups`; ``progress``: their progress
+    bar's label), or episodes where the run has an environment (turn by turn: no bar)."""
     if environment is None:
         return sample_groups(sampler, problems, prompt_ids, scorer, group_size=group_size,
                              max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             ranks=ranks)
+                             ranks=ranks, progress=progress)
     return sample_episodes(sampler, problems, environment, scorer, scorer.pool, group_size=group_size,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, ranks=ranks)

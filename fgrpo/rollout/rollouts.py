@@ -133,13 +133,15 @@ def prompt_seeds(seed: int, count: int) -> list[int]:
 
 def sample_groups(sampler, problems: list[Problem], prompt_ids: dict[str, list[int]], scorer: Scorer, *,
                   group_size: int, max_new_tokens: int, temperature: float, top_p: float,
-                  seed: int | list[int], ranks: Ranks = SINGLE) -> Groups:
+                  seed: int | list[int], ranks: Ranks = SINGLE, progress: str | None = None) -> Groups:
     """``group_size`` completions per problem, each scored by the run's reward functions. ``seed``: the draw's, or
-    one per problem (:func:`prompt_seeds`). All the draw's samples go to the scorer in one call, so its pool spreads
-    them over its workers; the ranks of one vLLM engine (``ranks.tensor_parallel``) drew the same samples and score a
-    share each (:func:`score_engine_draw`)."""
+    one per problem (:func:`prompt_seeds`); ``progress``: the sampler's progress bar label (None: no bar). All the
+    draw's samples go to the scorer in one call, so its pool spreads them over its workers; the ranks of one vLLM
+    engine (``ranks.tensor_parallel``) drew the same samples and score a share each (:func:`score_engine_draw`)."""
     completions = sampler.generate([prompt_ids[p.id] for p in problems], group_size, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_p=top_p, seed=seed)
+                                   temperature=temperature, top_p=top_p, seed=seed,
+                                   # only where asked: a sampler of one's own (the Sampler protocol) may predate it
+                                   **({"progress": progress} if progress else {}))
     start = time.perf_counter()
     views = [sample_view(completion=c.text, completion_ids=c.token_ids,
                          prompt=list(p.prompt) if isinstance(p.prompt, tuple) else p.prompt or p.question,

@@ -49,12 +49,13 @@ class Completion:
 class Sampler(Protocol):
     def generate(
         self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float, top_p: float,
-        seed: int | list[int],
+        seed: int | list[int], progress: str | None = None,
     ) -> list[list[Completion]]:
         """``n`` completions for each prompt (token ids): a ``[P][n]`` nested list. ``seed``: one for the call, or
         one per prompt (fgrpo.rollout.rollouts.prompt_seeds), which vLLM on GPU honours per request, so that a prompt's
         samples do not depend on which rank drew it; vLLM on CPU draws from its engine's seed (per-request seeds
-        crash it) and HF from the first seed for the whole call."""
+        crash it) and HF from the first seed for the whole call. ``progress``: a progress bar's label, shown on
+        stderr while the call runs (a long evaluation), or None for none (a training step: its own bar moves)."""
 
     def update_weights(self, model: torch.nn.Module) -> None:
         """Make the next ``generate`` sample from ``model``'s current weights."""
@@ -204,7 +205,7 @@ class VLLMSampler:
         self.weights_released = False  # set by release_memory, cleared by update_weights
         self.asleep = False
 
-    def generate(self, prompts, n, *, max_new_tokens, temperature, top_p, seed):
+    def generate(self, prompts, n, *, max_new_tokens, temperature, top_p, seed, progress=None):
         from vllm import SamplingParams, TokensPrompt
 
         if self.weights_released:
@@ -220,7 +221,8 @@ class VLLMSampler:
             )
 
         params = [params(s) for s in seed] if isinstance(seed, list) else params(seed)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                    use_tqdm=_labelled_bar(progress) if progress else False)
         groups = []
         for request in outputs:
             group = []
@@ -340,7 +342,7 @@ class HFSampler:
         self.autocast_dtype = getattr(torch, autocast_dtype) if autocast_dtype else None
 
     @torch.no_grad()
-    def generate(self, prompts, n, *, max_new_tokens, temperature, top_p, seed):
+    def generate(self, prompts, n, *, max_new_tokens, temperature, top_p, seed, progress=None):
         device = compute_device(self.model)  # a learner offloaded to CPU memory still computes on its GPU
         eos_ids = _eos_ids(self.model, self.tokenizer)
         pad_id = self.tokenizer.pad_token_id
@@ -354,8 +356,13 @@ class HFSampler:
         # runs forwards until all are done (synced_gpus)
         sharded_root = self.model.__dict__.get(SHARDED_PASS)
         generate = self.model.generate if sharded_root is None else lambda **kwargs: sharded_root(generate=kwargs)
+        starts = range(0, len(flat), self.batch_size)
+        if progress:
+            from tqdm.auto import tqdm
+
+            starts = tqdm(starts, desc=progress, unit="batch", dynamic_ncols=True)
         try:
-            for start in range(0, len(flat), self.batch_size):
+            for start in starts:
                 chunk = flat[start : start + self.batch_size]
                 width = max(len(p) for p in chunk)
                 input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
@@ -422,3 +429,13 @@ def _eos_ids(model, tokenizer) -> list[int]:
     if ids is None:
         ids = tokenizer.eos_token_id
     return [ids] if isinstance(ids, int) else list(ids)
+
+
+def _labelled_bar(label: str):
+    """A tqdm factory for vLLM's ``use_tqdm`` that shows ``label`` in place of vLLM's own ("Processed prompts")."""
+    from tqdm.auto import tqdm
+
+    def bar(*args, **kwargs):
+        return tqdm(*args, **{**kwargs, "desc": label})
+
+    return bar
