@@ -87,15 +87,40 @@ def test_countdown_pilot_holds_out_240_of_all_483_problems_and_evaluates_the_fir
         assert "only 483 distinct problems" in str(error)
 
 
+def test_the_countdown_pilot_runs_give_the_plan_docs_countdown_pilot_states():
+    """docs/countdown-pilot.md's plan is the planner's output on the committed pilot runs: the variance split, the
+    pairs for 5 points of pass@16 at alpha 0.01 and power 0.9 (at the sd and at its upper limit), the collapse test's."""
+    from fgrpo.report import stats_report
+
+    runs, page = RESULTS.parent / "countdown_pilot" / "runs", (RESULTS.parents[1] / "countdown-pilot.md").read_text()
+    split = stats_report(runs, variance=True).splitlines()
+    assert split[4].split()[:2] == ["pass@16", "7.02"] and "5%" in split[4]  # pooled seed sd; problem-level share
+    plan = stats_report(runs, plan={"effect": 5.0, "alpha": 0.01, "power": 0.9, "metric": "pass@16"})
+    assert "sd of a per-seed difference: 7.55 points (the pooled sd of the per-seed paired differences, 2 df" in plan
+    assert "\nseed pairs needed: 38 (" in plan and "upper confidence limit (2 df): 15.98 points" in plan
+    assert "at the upper limit: seed pairs needed: more than 100" in plan
+    collapse = stats_report(runs, plan={"effect": 33.0, "alpha": 0.01, "power": 0.9, "metric": "collapse",
+                                        "collapse_gap": 5.0, "collapse_high": "pass@16"})
+    assert "collapsed 1 of 3" in collapse and "collapsed 0 of 3" in collapse and "to 0.00: 35 pairs" in collapse
+    for stated in ("pooled seed-to-seed sd is 7.02 points", "7.55 points, on 2 df. At that sd: **38 pairs**",
+                   "upper confidence limit (15.98 points): more than 100 pairs", "needs 35 pairs"):
+        assert stated in " ".join(page.split()), stated
+
+
 def test_the_committed_runs_compose_again_to_what_they_ran(compose):
     """A default changed later must not change a shipped experiment: each committed run's overrides compose to its
     saved config, by the comparison a resume makes (the keys that change what is learned)."""
     import yaml
+    from omegaconf import OmegaConf
 
     from fgrpo.config import experiment_differences, to_container
 
-    for run in [CONFIRM / "runs" / "grpo_seed3", CONFIRM / "runs" / "control_seed10", *sorted((RESULTS / "runs").iterdir())[:1]]:
-        saved = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+    pilot = RESULTS.parent / "countdown_pilot" / "runs" / "fgrpo_seed2"  # the Countdown pilot (docs/countdown-pilot.md)
+    for run in [CONFIRM / "runs" / "grpo_seed3", CONFIRM / "runs" / "control_seed10", pilot,
+                *sorted((RESULTS / "runs").iterdir())[:1]]:
+        # Hydra saves the config unresolved (a generator's tasks_seed: '${seed}'); the run resolved it
+        saved = OmegaConf.to_container(OmegaConf.create(yaml.safe_load((run / ".hydra" / "config.yaml").read_text())),
+                                       resolve=True)
         overrides = [o for o in yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
                      if not o.startswith("eval.rare_set=")]  # a path on the machine that ran it
         cfg = compose(*overrides)

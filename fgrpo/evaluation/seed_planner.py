@@ -211,8 +211,8 @@ def plan_text(runs: list[Run], *, effect: float, alpha: float, power: float, met
     """``--plan``: the seed pairs a two-sided paired t-test needs to detect ``effect`` points of ``metric`` at
     ``alpha`` with ``power``, from the sd of the pilot runs' per-seed differences (:func:`pilot_difference_sd`),
     and the 90% interval half-width expected under no effect at that many pairs; the same at that sd's upper
-    confidence limit (:func:`sd_upper_limit`). With ``problems`` or ``samples``
-    (default the pilot's own): the same projected to that evaluation design (:func:`projection_lines`)."""
+    confidence limit (:func:`sd_upper_limit`). With ``problems`` or ``samples`` (default the pilot's own): the same
+    projected to that evaluation design (:func:`projection_lines`)."""
     check_same_eval_settings(runs)
     cells = config_cells(runs)
     missing = [r for cell_runs in cells.values() for r in cell_runs if f"eval/{metric}" not in r.final]
@@ -229,7 +229,8 @@ def plan_text(runs: list[Run], *, effect: float, alpha: float, power: float, met
              f"sd of a per-seed difference: {sd:.2f} points ({source})",
              *_pairs_lines(effect, sd, alpha, power),
              f"its {SD_UPPER_CONFIDENCE:.0%} upper confidence limit ({df} df): {upper:.2f} points (a pilot's sd runs "
-             "low more often than high; sized on this limit, a run reaches the power with probability 0.8)",
+             f"low more often than high; sized on this limit, a run reaches the power with probability "
+             f"{SD_UPPER_CONFIDENCE:g})",
              *_pairs_lines(effect, upper, alpha, power, prefix="at the upper limit: ")]
     if problems is not None or samples is not None:
         lines += projection_lines(cells, metric, sd ** 2, effect=effect, alpha=alpha, power=power,
