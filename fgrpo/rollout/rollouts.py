@@ -139,9 +139,7 @@ def sample_groups(sampler, problems: list[Problem], prompt_ids: dict[str, list[i
     draw's samples go to the scorer in one call, so its pool spreads them over its workers; the ranks of one vLLM
     engine (``ranks.tensor_parallel``) drew the same samples and score a share each (:func:`score_engine_draw`)."""
     completions = sampler.generate([prompt_ids[p.id] for p in problems], group_size, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_p=top_p, seed=seed,
-                                   # only where asked: a sampler of one's own (the Sampler protocol) may predate it
-                                   **({"progress": progress} if progress else {}))
+                                   temperature=temperature, top_p=top_p, seed=seed, progress=progress)
     start = time.perf_counter()
     views = [sample_view(completion=c.text, completion_ids=c.token_ids,
                          prompt=list(p.prompt) if isinstance(p.prompt, tuple) else p.prompt or p.question,
