@@ -112,7 +112,7 @@ def test_a_class_failing_every_episode_stops_both_ranks_with_its_traceback(tmp_p
 @pytest.mark.parametrize("shape", ["game", "tools"])
 def test_each_example_trains_the_bundled_model(tmp_path, shape):
     rows = example(tmp_path, GAME if shape == "game" else TOOLS, "model=smollm2_135m", "trainer.prompts_per_step=4",
-                   "algo.group_size=4", "eval.max_problems=8", "eval.every=2")
+                   "algo.group_size=4", "eval.max_problems=2", "eval.every=2", "eval.before=false")
     steps = [r for r in rows if "train/loss" in r]
     assert len(steps) == 2 and all(r["train/env/sampled_tokens_mean"] > 0 for r in steps)
 
