@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -90,6 +91,9 @@ def test_the_vllm_sampler_evaluates_the_bundled_model_at_many_samples(tmp_path):
     rows = read_counts(eval_dir)
     assert len(rows) == 6 and {row["n"] for row in rows} == {64} and {row["step"] for row in rows} == {None}
     assert "evaluating arithmetic (6 x 64): 100%" in done.stderr  # vLLM's progress bar, under the evaluation's label
+    # only the bar over the 384 completions: vLLM's bar over the 6 prompts keeps its own name
+    totals = re.findall(r"evaluating arithmetic \(6 x 64\): +\d+%\|[^|]*\| *\d+/(\d+)", done.stderr)
+    assert totals and set(totals) == {"384"}, set(totals)
     metrics = read_metrics(eval_dir / "metrics.jsonl")[0]
     for k in (1, 2, 4, 8, 16, 32, 64):
         assert pass_at_k_from_counts(rows, k) == pytest.approx(metrics[f"eval/pass@{k}"], abs=1e-12)

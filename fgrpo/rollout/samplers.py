@@ -432,10 +432,11 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 
 def _labelled_bar(label: str):
-    """A tqdm factory for vLLM's ``use_tqdm`` that shows ``label`` in place of vLLM's own ("Processed prompts")."""
+    """A tqdm factory for vLLM's ``use_tqdm`` that shows ``label`` in place of vLLM's own "Processed prompts". vLLM
+    makes its other bars with it too ("Rendering prompts", over the prompts): those keep their own names."""
     from tqdm.auto import tqdm
 
     def bar(*args, **kwargs):
-        return tqdm(*args, **{**kwargs, "desc": label})
+        return tqdm(*args, **{**kwargs, "desc": label} if kwargs.get("desc") == "Processed prompts" else kwargs)
 
     return bar
