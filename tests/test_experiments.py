@@ -94,16 +94,16 @@ def test_the_countdown_pilot_runs_give_the_plan_docs_countdown_pilot_states():
 
     runs, page = RESULTS.parent / "countdown_pilot" / "runs", (RESULTS.parents[1] / "countdown-pilot.md").read_text()
     split = stats_report(runs, variance=True).splitlines()
-    assert split[4].split()[:2] == ["pass@16", "7.02"] and "5%" in split[4]  # pooled seed sd; problem-level share
+    assert split[4].split()[:2] == ["pass@16", "6.96"] and "6%" in split[4]  # pooled seed sd; problem-level share
     plan = stats_report(runs, plan={"effect": 5.0, "alpha": 0.01, "power": 0.9, "metric": "pass@16"})
-    assert "sd of a per-seed difference: 7.55 points (the pooled sd of the per-seed paired differences, 2 df" in plan
-    assert "\nseed pairs needed: 38 (" in plan and "upper confidence limit (2 df): 15.98 points" in plan
+    assert "sd of a per-seed difference: 10.40 points (the pooled sd of the per-seed paired differences, 4 df" in plan
+    assert "\nseed pairs needed: 68 (" in plan and "upper confidence limit (4 df): 16.19 points" in plan
     assert "at the upper limit: seed pairs needed: more than 100" in plan
     collapse = stats_report(runs, plan={"effect": 33.0, "alpha": 0.01, "power": 0.9, "metric": "collapse",
                                         "collapse_gap": 5.0, "collapse_high": "pass@16"})
     assert "collapsed 1 of 3" in collapse and "collapsed 0 of 3" in collapse and "to 0.00: 35 pairs" in collapse
-    for stated in ("pooled seed-to-seed sd is 7.02 points", "7.55 points, on 2 df. At that sd: **38 pairs**",
-                   "upper confidence limit (15.98 points): more than 100 pairs", "needs 35 pairs"):
+    for stated in ("pooled seed-to-seed sd is 6.96 points", "10.40 points, on 4 df.", "At that sd: **68 pairs**",
+                   "upper confidence limit (16.19 points): more than 100 pairs", "needs 35 pairs"):
         assert stated in " ".join(page.split()), stated
 
 
